@@ -1,0 +1,254 @@
+from services.api import weights_pb2 as _weights_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    FINISH_REASON_UNSPECIFIED: _ClassVar[FinishReason]
+    FINISH_REASON_STOP: _ClassVar[FinishReason]
+    FINISH_REASON_LENGTH: _ClassVar[FinishReason]
+    FINISH_REASON_ABORT: _ClassVar[FinishReason]
+FINISH_REASON_UNSPECIFIED: FinishReason
+FINISH_REASON_STOP: FinishReason
+FINISH_REASON_LENGTH: FinishReason
+FINISH_REASON_ABORT: FinishReason
+
+class RolloutConfig(_message.Message):
+    __slots__ = ("model_path", "engine", "device", "dtype", "seed", "max_batch_size", "load_weights")
+    MODEL_PATH_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    MAX_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    LOAD_WEIGHTS_FIELD_NUMBER: _ClassVar[int]
+    model_path: str
+    engine: str
+    device: str
+    dtype: str
+    seed: int
+    max_batch_size: int
+    load_weights: bool
+    def __init__(self, model_path: _Optional[str] = ..., engine: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., seed: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., load_weights: _Optional[bool] = ...) -> None: ...
+
+class ConfigureRolloutRequest(_message.Message):
+    __slots__ = ("config", "request_id")
+    CONFIG_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    config: RolloutConfig
+    request_id: str
+    def __init__(self, config: _Optional[_Union[RolloutConfig, _Mapping]] = ..., request_id: _Optional[str] = ...) -> None: ...
+
+class ConfigureRolloutResponse(_message.Message):
+    __slots__ = ("status", "capabilities")
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    CAPABILITIES_FIELD_NUMBER: _ClassVar[int]
+    status: RolloutStatus
+    capabilities: _weights_pb2.Capabilities
+    def __init__(self, status: _Optional[_Union[RolloutStatus, _Mapping]] = ..., capabilities: _Optional[_Union[_weights_pb2.Capabilities, _Mapping]] = ...) -> None: ...
+
+class SamplingParams(_message.Message):
+    __slots__ = ("temperature", "top_p", "top_k", "max_new_tokens", "stop", "stop_token_ids", "n", "seed", "ignore_eos")
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    N_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
+    temperature: float
+    top_p: float
+    top_k: int
+    max_new_tokens: int
+    stop: _containers.RepeatedScalarFieldContainer[str]
+    stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    n: int
+    seed: int
+    ignore_eos: bool
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., n: _Optional[int] = ..., seed: _Optional[int] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
+
+class TokenIds(_message.Message):
+    __slots__ = ("ids",)
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class GenerateRequest(_message.Message):
+    __slots__ = ("prompts", "input_ids", "sampling", "return_logprobs", "request_id")
+    PROMPTS_FIELD_NUMBER: _ClassVar[int]
+    INPUT_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    RETURN_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    prompts: _containers.RepeatedScalarFieldContainer[str]
+    input_ids: _containers.RepeatedCompositeFieldContainer[TokenIds]
+    sampling: SamplingParams
+    return_logprobs: bool
+    request_id: str
+    def __init__(self, prompts: _Optional[_Iterable[str]] = ..., input_ids: _Optional[_Iterable[_Union[TokenIds, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., return_logprobs: _Optional[bool] = ..., request_id: _Optional[str] = ...) -> None: ...
+
+class Completion(_message.Message):
+    __slots__ = ("prompt_index", "prompt_ids", "output_ids", "text", "logprobs", "finish_reason", "weight_version")
+    PROMPT_INDEX_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_IDS_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    prompt_index: int
+    prompt_ids: _containers.RepeatedScalarFieldContainer[int]
+    output_ids: _containers.RepeatedScalarFieldContainer[int]
+    text: str
+    logprobs: _containers.RepeatedScalarFieldContainer[float]
+    finish_reason: FinishReason
+    weight_version: int
+    def __init__(self, prompt_index: _Optional[int] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., output_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[float]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., weight_version: _Optional[int] = ...) -> None: ...
+
+class GenerateResponse(_message.Message):
+    __slots__ = ("results", "weight_version")
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[Completion]
+    weight_version: int
+    def __init__(self, results: _Optional[_Iterable[_Union[Completion, _Mapping]]] = ..., weight_version: _Optional[int] = ...) -> None: ...
+
+class InitWeightUpdateGroupRequest(_message.Message):
+    __slots__ = ("master_address", "master_port", "rank_offset", "world_size", "group_name", "backend")
+    MASTER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    MASTER_PORT_FIELD_NUMBER: _ClassVar[int]
+    RANK_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    GROUP_NAME_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    master_address: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+    group_name: str
+    backend: str
+    def __init__(self, master_address: _Optional[str] = ..., master_port: _Optional[int] = ..., rank_offset: _Optional[int] = ..., world_size: _Optional[int] = ..., group_name: _Optional[str] = ..., backend: _Optional[str] = ...) -> None: ...
+
+class InitWeightUpdateGroupResponse(_message.Message):
+    __slots__ = ("success", "message")
+    SUCCESS_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    success: bool
+    message: str
+    def __init__(self, success: _Optional[bool] = ..., message: _Optional[str] = ...) -> None: ...
+
+class DestroyWeightUpdateGroupRequest(_message.Message):
+    __slots__ = ("group_name",)
+    GROUP_NAME_FIELD_NUMBER: _ClassVar[int]
+    group_name: str
+    def __init__(self, group_name: _Optional[str] = ...) -> None: ...
+
+class DestroyWeightUpdateGroupResponse(_message.Message):
+    __slots__ = ("success", "message")
+    SUCCESS_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    success: bool
+    message: str
+    def __init__(self, success: _Optional[bool] = ..., message: _Optional[str] = ...) -> None: ...
+
+class UpdateWeightsRequest(_message.Message):
+    __slots__ = ("version", "manifest", "trainer", "broadcast", "shm", "cuda_ipc", "verify", "timeout_s", "request_id")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    MANIFEST_FIELD_NUMBER: _ClassVar[int]
+    TRAINER_FIELD_NUMBER: _ClassVar[int]
+    BROADCAST_FIELD_NUMBER: _ClassVar[int]
+    SHM_FIELD_NUMBER: _ClassVar[int]
+    CUDA_IPC_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    manifest: _weights_pb2.WeightManifest
+    trainer: _weights_pb2.TrainerEndpoint
+    broadcast: _weights_pb2.BroadcastSource
+    shm: _weights_pb2.ShmSource
+    cuda_ipc: _weights_pb2.CudaIpcSource
+    verify: _weights_pb2.VerifyMode
+    timeout_s: float
+    request_id: str
+    def __init__(self, version: _Optional[int] = ..., manifest: _Optional[_Union[_weights_pb2.WeightManifest, _Mapping]] = ..., trainer: _Optional[_Union[_weights_pb2.TrainerEndpoint, _Mapping]] = ..., broadcast: _Optional[_Union[_weights_pb2.BroadcastSource, _Mapping]] = ..., shm: _Optional[_Union[_weights_pb2.ShmSource, _Mapping]] = ..., cuda_ipc: _Optional[_Union[_weights_pb2.CudaIpcSource, _Mapping]] = ..., verify: _Optional[_Union[_weights_pb2.VerifyMode, str]] = ..., timeout_s: _Optional[float] = ..., request_id: _Optional[str] = ...) -> None: ...
+
+class UpdateWeightsResponse(_message.Message):
+    __slots__ = ("version", "fingerprints", "seconds", "bytes")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINTS_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    fingerprints: _containers.RepeatedScalarFieldContainer[str]
+    seconds: float
+    bytes: int
+    def __init__(self, version: _Optional[int] = ..., fingerprints: _Optional[_Iterable[str]] = ..., seconds: _Optional[float] = ..., bytes: _Optional[int] = ...) -> None: ...
+
+class GetWeightFingerprintsRequest(_message.Message):
+    __slots__ = ("fingerprint_algo", "bucket_bytes")
+    FINGERPRINT_ALGO_FIELD_NUMBER: _ClassVar[int]
+    BUCKET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    fingerprint_algo: str
+    bucket_bytes: int
+    def __init__(self, fingerprint_algo: _Optional[str] = ..., bucket_bytes: _Optional[int] = ...) -> None: ...
+
+class GetWeightFingerprintsResponse(_message.Message):
+    __slots__ = ("version", "fingerprints")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINTS_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    fingerprints: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, version: _Optional[int] = ..., fingerprints: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class ReleaseMemoryRequest(_message.Message):
+    __slots__ = ("tags",)
+    TAGS_FIELD_NUMBER: _ClassVar[int]
+    tags: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, tags: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class ReleaseMemoryResponse(_message.Message):
+    __slots__ = ("status",)
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    status: RolloutStatus
+    def __init__(self, status: _Optional[_Union[RolloutStatus, _Mapping]] = ...) -> None: ...
+
+class ResumeMemoryRequest(_message.Message):
+    __slots__ = ("tags",)
+    TAGS_FIELD_NUMBER: _ClassVar[int]
+    tags: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, tags: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class ResumeMemoryResponse(_message.Message):
+    __slots__ = ("status",)
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    status: RolloutStatus
+    def __init__(self, status: _Optional[_Union[RolloutStatus, _Mapping]] = ...) -> None: ...
+
+class GetRolloutStatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class RolloutStatus(_message.Message):
+    __slots__ = ("configured", "weight_version", "serving", "released", "last_error", "num_parameters")
+    CONFIGURED_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    SERVING_FIELD_NUMBER: _ClassVar[int]
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
+    LAST_ERROR_FIELD_NUMBER: _ClassVar[int]
+    NUM_PARAMETERS_FIELD_NUMBER: _ClassVar[int]
+    configured: bool
+    weight_version: int
+    serving: bool
+    released: _containers.RepeatedScalarFieldContainer[str]
+    last_error: str
+    num_parameters: int
+    def __init__(self, configured: _Optional[bool] = ..., weight_version: _Optional[int] = ..., serving: _Optional[bool] = ..., released: _Optional[_Iterable[str]] = ..., last_error: _Optional[str] = ..., num_parameters: _Optional[int] = ...) -> None: ...
