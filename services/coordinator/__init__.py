@@ -1,0 +1,1 @@
+"""The coordinator: runs RL jobs over trainer and rollout servers, and serves the job API."""

@@ -1,0 +1,816 @@
+"""The job config tree: one frozen dataclass per component, loaded strictly from YAML.
+
+A job is a tree of small keyword-only dataclasses (rollout, data, reward, eval, algorithm,
+trainer, weight sync, checkpoint, sft). Each default lives on its dataclass and nowhere else;
+each dataclass checks its own ranges in `__post_init__`, and `JobConfig` checks what spans
+components (eval-only jobs, group baselines, scheduler lengths). One generic converter turns
+YAML data into the tree, so an unknown key, a wrong type or an out-of-range value anywhere is a
+`ConfigError` that names the full dotted field (`eval.datasets[0].sampling.top_p`). `to_dict`
+dumps a tree back to plain data with absolute paths (what the coordinator receives as YAML), and
+`job_json_schema` derives the JSON Schema published over REST from the same dataclasses.
+
+A mapping given for a nested section overrides that section's default field by field, so
+`eval.datasets[].sampling: {max_new_tokens: 128}` stays greedy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import inspect
+import math
+import os
+import re
+import types
+import typing
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Literal, Union
+
+import yaml
+
+RewardKind = Literal["exact_match", "math_answer", "countdown", "python", "http"]
+AdvantageKind = Literal["grpo", "dr_grpo", "reinforce_pp", "reinforce_pp_baseline", "ppo"]
+KlEstimator = Literal["k1", "k2", "k3", "low_var_kl"]
+LossAgg = Literal["token_mean", "seq_mean_token_sum", "seq_mean_token_mean"]
+SchedulerKind = Literal["constant", "linear", "cosine"]
+Tag = Literal["ref", "old_actor", "teacher"]
+Plane = Literal["auto", "grpc_stream", "broadcast", "shm", "cuda_ipc"]
+
+# Advantage estimators whose baseline is the group of samples drawn for one prompt.
+GROUP_BASELINES = ("grpo", "dr_grpo", "reinforce_pp_baseline")
+_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}")
+_FUNCTION_RE = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*")
+_DEVICE_RE = re.compile(r"cpu|cuda(:\d+)?")
+
+
+class ConfigError(ValueError):
+    """A mistake in a job config; the message names the dotted field it is about."""
+
+
+class _FieldError(ConfigError):
+    """A component's own check failed; the loader prefixes `field` with the component's path."""
+
+    def __init__(self, field: str, reason: str) -> None:
+        super().__init__(f"{field}: {reason}")
+        self.field = field
+        self.reason = reason
+
+
+def _check(ok: bool, field: str, reason: str) -> None:
+    if not ok:
+        raise _FieldError(field, reason)
+
+
+# --------------------------------------------------------------------------- the tree
+
+
+@dataclass(frozen=True, kw_only=True)
+class SamplingConfig:
+    """How a rollout engine samples completions.
+
+    Attributes:
+        temperature: softmax temperature; 0 = greedy.
+        top_p: nucleus sampling probability mass, in (0, 1].
+        top_k: sample among the k most likely tokens; 0 or -1 = all.
+        max_new_tokens: completion length limit in tokens.
+        stop: strings that end a completion.
+        seed: sampling seed; null = not fixed by the config.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_new_tokens: int = 64
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        _check(self.temperature >= 0, "temperature", f"must be >= 0, got {self.temperature}")
+        _check(0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p}")
+        _check(self.top_k >= -1, "top_k", f"must be >= 0 (or -1 = all), got {self.top_k}")
+        _check(self.max_new_tokens >= 1, "max_new_tokens", f"must be >= 1, got {self.max_new_tokens}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RolloutConfig:
+    """What the rollout fleet generates each RL step.
+
+    Attributes:
+        prompts_per_step: prompts drawn from data.train per step.
+        samples_per_prompt: completions sampled per prompt (the group size of group baselines).
+        sampling: sampling parameters for training rollouts.
+        num_engines: rollout engines to run.
+    """
+
+    prompts_per_step: int = 16
+    samples_per_prompt: int = 8
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    num_engines: int = 1
+
+    def __post_init__(self) -> None:
+        _check(self.prompts_per_step >= 1, "prompts_per_step", f"must be >= 1, got {self.prompts_per_step}")
+        _check(self.samples_per_prompt >= 1, "samples_per_prompt", f"must be >= 1, got {self.samples_per_prompt}")
+        _check(self.num_engines >= 1, "num_engines", f"must be >= 1, got {self.num_engines}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataConfig:
+    """Training prompts: a JSON-lines file of objects with a prompt and an answer.
+
+    Attributes:
+        train: JSON-lines file of training rows; required unless the job is eval-only.
+        prompt_key: key of the prompt in each row (also used for eval and sft files).
+        answer_key: key of the reference answer in each row (also used for eval and sft files).
+        shuffle: reshuffle the rows every epoch (deterministically from the job seed).
+    """
+
+    train: Path | None = None
+    prompt_key: str = "prompt"
+    answer_key: str = "answer"
+    shuffle: bool = True
+
+    def __post_init__(self) -> None:
+        _check(bool(self.prompt_key), "prompt_key", "must not be empty")
+        _check(bool(self.answer_key), "answer_key", "must not be empty")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RewardConfig:
+    """How a completion is scored against the reference answer.
+
+    Attributes:
+        kind: exact_match, math_answer, countdown, python (a module:function) or http (a POST endpoint).
+        function: "module:function" to import when kind is python.
+        url: endpoint to POST {prompt, completion, answer} to when kind is http.
+        timeout_s: per-request timeout when kind is http.
+    """
+
+    kind: RewardKind = "exact_match"
+    function: str | None = None
+    url: str | None = None
+    timeout_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        if self.kind == "python":
+            _check(self.function is not None, "function", "required when kind is 'python' (\"module:function\")")
+            _check(
+                bool(_FUNCTION_RE.fullmatch(self.function or "")),
+                "function", f"expected \"module:function\", got {self.function!r}",
+            )
+        else:
+            _check(self.function is None, "function", f"only used when kind is 'python' (kind is {self.kind!r})")
+        if self.kind == "http":
+            _check(self.url is not None, "url", "required when kind is 'http'")
+            _check(
+                (self.url or "").startswith(("http://", "https://")),
+                "url", f"expected an http:// or https:// URL, got {self.url!r}",
+            )
+        else:
+            _check(self.url is None, "url", f"only used when kind is 'http' (kind is {self.kind!r})")
+        _check(self.timeout_s > 0, "timeout_s", f"must be > 0, got {self.timeout_s}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class EvalDatasetConfig:
+    """One evaluation set; its score is the mean reward over its rows.
+
+    Attributes:
+        name: label of the results (unique within the job).
+        path: JSON-lines file read with data.prompt_key and data.answer_key.
+        limit: evaluate only the first rows of the file; null = all rows.
+        reward: how to score this set; null = the job's reward (filled in when the job is loaded).
+        sampling: sampling for this set; fields left out keep the greedy default.
+    """
+
+    name: str
+    path: Path
+    limit: int | None = None
+    reward: RewardConfig | None = None
+    sampling: SamplingConfig = field(default_factory=lambda: SamplingConfig(temperature=0.0))
+
+    def __post_init__(self) -> None:
+        _check(bool(self.name), "name", "must not be empty")
+        _check(self.limit is None or self.limit >= 1, "limit", f"must be >= 1 or null, got {self.limit}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class EvalConfig:
+    """When and on what the policy is evaluated.
+
+    Attributes:
+        every: evaluate every this many RL steps; 0 = only before the first and after the last step.
+        datasets: evaluation sets.
+    """
+
+    every: int = 10
+    datasets: tuple[EvalDatasetConfig, ...] = ()
+
+    def __post_init__(self) -> None:
+        _check(self.every >= 0, "every", f"must be >= 0, got {self.every}")
+        names = [d.name for d in self.datasets]
+        duplicates = sorted({n for n in names if names.count(n) > 1})
+        _check(not duplicates, "datasets", f"dataset names must be unique, repeated: {', '.join(duplicates)}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class AlgorithmConfig:
+    """The RL objective: advantage estimator and loss terms.
+
+    Attributes:
+        advantage: grpo, dr_grpo, reinforce_pp, reinforce_pp_baseline or ppo (needs a critic; eval-only jobs only for now).
+        normalize_std: divide GRPO advantages by the group's standard deviation (grpo only).
+        kl_coef: weight of the KL penalty against the reference model; > 0 loads a ref copy.
+        kl_estimator: k1, k2, k3 or low_var_kl (k3 clamped to [-10, 10]).
+        use_kl_loss: true = KL is a loss term; false = it is subtracted from the reward.
+        clip_eps_low: PPO ratio clip below 1 (ratio >= 1 - clip_eps_low).
+        clip_eps_high: PPO ratio clip above 1 (ratio <= 1 + clip_eps_high).
+        entropy_coef: weight of the entropy bonus.
+        loss_agg: token_mean, seq_mean_token_sum or seq_mean_token_mean.
+    """
+
+    advantage: AdvantageKind = "grpo"
+    normalize_std: bool = True
+    kl_coef: float = 0.0
+    kl_estimator: KlEstimator = "low_var_kl"
+    use_kl_loss: bool = True
+    clip_eps_low: float = 0.2
+    clip_eps_high: float = 0.2
+    entropy_coef: float = 0.0
+    loss_agg: LossAgg = "token_mean"
+
+    def __post_init__(self) -> None:
+        _check(self.kl_coef >= 0, "kl_coef", f"must be >= 0, got {self.kl_coef}")
+        # 1 - clip_eps_low <= 0 would clip the ratio to a non-positive value: no lower clip at all.
+        _check(0 <= self.clip_eps_low < 1, "clip_eps_low", f"must be in [0, 1), got {self.clip_eps_low}")
+        _check(self.clip_eps_high >= 0, "clip_eps_high", f"must be >= 0, got {self.clip_eps_high}")
+
+    @property
+    def needs_ref(self) -> bool:
+        return self.kl_coef > 0
+
+
+@dataclass(frozen=True, kw_only=True)
+class OptimizerConfig:
+    """AdamW settings.
+
+    Attributes:
+        lr: peak learning rate.
+        weight_decay: decoupled weight decay.
+        betas: Adam beta1 and beta2, each in [0, 1).
+        eps: Adam epsilon.
+        grad_clip: clip the global gradient norm to this; 0 = no clipping.
+    """
+
+    lr: float = 1.0e-5
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1.0e-8
+    grad_clip: float = 1.0
+
+    def __post_init__(self) -> None:
+        _check(self.lr > 0, "lr", f"must be > 0, got {self.lr}")
+        _check(self.weight_decay >= 0, "weight_decay", f"must be >= 0, got {self.weight_decay}")
+        _check(all(0 <= b < 1 for b in self.betas), "betas", f"each must be in [0, 1), got {list(self.betas)}")
+        _check(self.eps > 0, "eps", f"must be > 0, got {self.eps}")
+        _check(self.grad_clip >= 0, "grad_clip", f"must be >= 0 (0 = no clipping), got {self.grad_clip}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SchedulerConfig:
+    """Learning-rate schedule: linear warmup, then constant, linear or cosine decay.
+
+    Attributes:
+        kind: constant, linear or cosine.
+        warmup_steps: steps of linear warmup from 0 to lr.
+        decay_steps: steps until the rate reaches lr * min_lr_ratio; null = num_rollout.
+        min_lr_ratio: final rate as a fraction of lr, in [0, 1].
+    """
+
+    kind: SchedulerKind = "constant"
+    warmup_steps: int = 0
+    decay_steps: int | None = None
+    min_lr_ratio: float = 0.0
+
+    def __post_init__(self) -> None:
+        _check(self.warmup_steps >= 0, "warmup_steps", f"must be >= 0, got {self.warmup_steps}")
+        _check(
+            self.decay_steps is None or self.decay_steps >= 0,
+            "decay_steps", f"must be >= 0 or null, got {self.decay_steps}",
+        )
+        _check(0 <= self.min_lr_ratio <= 1, "min_lr_ratio", f"must be in [0, 1], got {self.min_lr_ratio}")
+
+    def total_decay_steps(self, num_rollout: int) -> int:
+        """decay_steps with its null default resolved against the job's number of RL steps."""
+        return num_rollout if self.decay_steps is None else self.decay_steps
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainerConfig:
+    """The trainer fleet: backend, placement, precision, optimizer and memory lifecycle.
+
+    Attributes:
+        backend: torch or megatron.
+        device: cpu, cuda or cuda:N.
+        dtype: parameter dtype: float32, bfloat16 or float16.
+        num_trainers: trainer ranks (one process each).
+        micro_batch_size: sequences per forward/backward pass; gradients accumulate over a step.
+        optimizer: AdamW settings.
+        scheduler: learning-rate schedule.
+        offload: move weights and optimizer state to host memory between steps.
+        colocate: trainers share GPUs with rollout engines (sleep while engines generate).
+        master_weights: null (parameters are the master copy) or fp32.
+        tags: extra model copies to keep: ref, old_actor, teacher (ref is added when kl_coef > 0).
+    """
+
+    backend: Literal["torch", "megatron"] = "torch"
+    device: str = "cpu"
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    num_trainers: int = 1
+    micro_batch_size: int = 64
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    offload: bool = False
+    colocate: bool = False
+    master_weights: Literal["fp32"] | None = None
+    tags: tuple[Tag, ...] = ()
+
+    def __post_init__(self) -> None:
+        _check(bool(_DEVICE_RE.fullmatch(self.device)), "device", f"expected cpu, cuda or cuda:N, got {self.device!r}")
+        _check(self.num_trainers >= 1, "num_trainers", f"must be >= 1, got {self.num_trainers}")
+        _check(self.micro_batch_size >= 1, "micro_batch_size", f"must be >= 1, got {self.micro_batch_size}")
+        _check(len(set(self.tags)) == len(self.tags), "tags", f"must not repeat a tag, got {list(self.tags)}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class WeightSyncConfig:
+    """How new weights travel from trainers to rollout engines after each step.
+
+    Attributes:
+        plane: auto (chosen per engine), grpc_stream, broadcast, shm or cuda_ipc.
+        verify: fingerprint (cheap per-bucket checksum) or exact (full comparison).
+        bucket_mb: size of the flat buckets weights are packed into, in MiB.
+        timeout_s: give up on a sync (and drop the engine from the pool) after this long.
+    """
+
+    plane: Plane = "auto"
+    verify: Literal["fingerprint", "exact"] = "fingerprint"
+    bucket_mb: int = 512
+    timeout_s: float = 120.0
+
+    def __post_init__(self) -> None:
+        _check(self.bucket_mb >= 1, "bucket_mb", f"must be >= 1, got {self.bucket_mb}")
+        _check(self.timeout_s > 0, "timeout_s", f"must be > 0, got {self.timeout_s}")
+
+    @property
+    def bucket_bytes(self) -> int:
+        return self.bucket_mb * 1024 * 1024
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointConfig:
+    """Periodic checkpoints of the policy (and optimizer state) for resuming.
+
+    Attributes:
+        every: save every this many RL steps and after the last one; 0 = never.
+        dir: where checkpoints go; null = <output_dir>/checkpoints.
+    """
+
+    every: int = 0
+    dir: Path | None = None
+
+    def __post_init__(self) -> None:
+        _check(self.every >= 0, "every", f"must be >= 0, got {self.every}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SftConfig:
+    """An optional supervised warm-up stage run before RL, on prompt/answer pairs.
+
+    Attributes:
+        data: JSON-lines file of prompt/answer rows (read with data.prompt_key and data.answer_key).
+        steps: optimizer steps of SFT.
+        batch_size: rows per SFT step.
+        lr: learning rate of the SFT stage (constant).
+    """
+
+    data: Path
+    steps: int
+    batch_size: int = 8
+    lr: float = 1.0e-5
+
+    def __post_init__(self) -> None:
+        _check(self.steps >= 1, "steps", f"must be >= 1, got {self.steps}")
+        _check(self.batch_size >= 1, "batch_size", f"must be >= 1, got {self.batch_size}")
+        _check(self.lr > 0, "lr", f"must be > 0, got {self.lr}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class JobConfig:
+    """One RL post-training job (or, with num_rollout 0, one evaluation of a checkpoint).
+
+    Attributes:
+        name: job name: letters, digits, '.', '_' and '-', at most 63 characters.
+        seed: seed for data order, sampling and initialisation.
+        model: Hugging Face model directory (config.json, tokenizer.json, *.safetensors).
+        num_rollout: RL steps to run; 0 = eval-only job.
+        output_dir: where metrics, plots and checkpoints go; null = <cwd>/runs/<name>-<YYYYmmdd-HHMMSS>.
+        rollout: what the rollout fleet generates each step.
+        data: training prompts.
+        reward: how completions are scored.
+        eval: evaluation schedule and datasets.
+        algorithm: advantage estimator and loss terms.
+        trainer: trainer fleet, optimizer and scheduler.
+        weight_sync: how weights reach the rollout engines.
+        checkpoint: periodic checkpoints.
+        sft: optional supervised warm-up stage before RL; null = none.
+    """
+
+    name: str
+    seed: int = 1
+    model: Path
+    num_rollout: int
+    output_dir: Path | None = None
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    sft: SftConfig | None = None
+
+    def __post_init__(self) -> None:
+        _check(
+            bool(_NAME_RE.fullmatch(self.name)), "name",
+            f"use letters, digits, '.', '_' and '-' (at most 63, starting with a letter or digit), got {self.name!r}",
+        )
+        if any(d.reward is None for d in self.eval.datasets):
+            # Resolve "null = the job's reward" once, here, so readers (and the wire form) see it explicitly.
+            datasets = tuple(dataclasses.replace(d, reward=d.reward or self.reward) for d in self.eval.datasets)
+            object.__setattr__(self, "eval", dataclasses.replace(self.eval, datasets=datasets))
+        _check(self.num_rollout >= 0, "num_rollout", f"must be >= 0 (0 = eval-only job), got {self.num_rollout}")
+        if self.eval_only:
+            _check(
+                bool(self.eval.datasets), "eval.datasets",
+                "an eval-only job (num_rollout: 0) needs at least one eval dataset",
+            )
+            _check(self.sft is None, "sft", "an eval-only job (num_rollout: 0) does not train; remove sft")
+            return  # nothing below is built when no step trains (no optimizer, no scheduler)
+        _check(
+            self.data.train is not None, "data.train",
+            "a training job (num_rollout > 0) needs a training dataset (or set num_rollout: 0 for eval-only)",
+        )
+        advantage = self.algorithm.advantage
+        _check(
+            advantage != "ppo", "algorithm.advantage",
+            "'ppo' needs a critic, which is not supported yet; use grpo, dr_grpo, reinforce_pp or "
+            "reinforce_pp_baseline (ppo is accepted in eval-only jobs)",
+        )
+        if advantage in GROUP_BASELINES:
+            _check(
+                self.rollout.samples_per_prompt >= 2, "rollout.samples_per_prompt",
+                f"must be >= 2 for algorithm.advantage {advantage!r}, whose baseline is the group of "
+                f"samples of one prompt; got {self.rollout.samples_per_prompt}",
+            )
+        scheduler = self.trainer.scheduler
+        if scheduler.kind != "constant":
+            decay_steps = scheduler.total_decay_steps(self.num_rollout)
+            source = "num_rollout" if scheduler.decay_steps is None else "trainer.scheduler.decay_steps"
+            _check(
+                scheduler.warmup_steps < decay_steps, "trainer.scheduler.warmup_steps",
+                f"must be < the decay steps of a {scheduler.kind} scheduler ({source} = {decay_steps}), "
+                f"got {scheduler.warmup_steps}",
+            )
+
+    @property
+    def eval_only(self) -> bool:
+        return self.num_rollout == 0
+
+    @property
+    def trainer_tags(self) -> tuple[str, ...]:
+        """The copies trainers keep: trainer.tags plus ref when the KL penalty needs it (none when eval-only)."""
+        if self.eval_only:
+            return ()
+        tags = list(self.trainer.tags)
+        if self.algorithm.needs_ref and "ref" not in tags:
+            tags.append("ref")
+        return tuple(tags)
+
+
+# --------------------------------------------------------------------------- loading
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """SafeLoader that rejects duplicate keys and reads `1e-5` as a float (as YAML 1.2 does)."""
+
+
+def _construct_mapping(loader: _StrictLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
+    loader.flatten_mapping(node)
+    seen: set[Any] = set()
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=True)
+        if not isinstance(key, typing.Hashable):
+            continue  # construct_mapping below reports unhashable keys itself
+        if key in seen:
+            raise ConfigError(f"duplicate key {key!r} (line {key_node.start_mark.line + 1})")
+        seen.add(key)
+    return loader.construct_mapping(node, deep=deep)
+
+
+_StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
+_StrictLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789"),
+)
+
+
+def load_job(path: str | Path, *, check_files: bool = True) -> JobConfig:
+    """Read a job YAML file; relative paths in it are resolved against the file's directory."""
+    path = Path(path).expanduser().absolute()
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise ConfigError(f"cannot read job config {path}: {e.strerror or e}") from e
+    try:
+        return parse_job(text, path.parent, check_files=check_files)
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}") from e
+
+
+def parse_job(text: str, base_dir: str | Path, *, check_files: bool = True) -> JobConfig:
+    """Parse job YAML text; relative paths are resolved against base_dir.
+
+    With check_files the files the job will read must exist (model directory with config.json,
+    data.train when training, eval datasets, sft data); a coordinator that validates a job for
+    pods with other volumes passes check_files=False.
+    """
+    try:
+        data = yaml.load(text, Loader=_StrictLoader)  # noqa: S506 - a SafeLoader subclass
+    except yaml.YAMLError as e:
+        raise ConfigError(f"invalid YAML: {e}") from e
+    if data is None:
+        raise ConfigError("the job config is empty")
+    cfg = from_dict(JobConfig, data, base_dir=base_dir)
+    if check_files:
+        check_paths(cfg)
+    return cfg
+
+
+def from_dict(cls: type, data: Any, *, base_dir: str | Path, path: str = "") -> Any:
+    """Build dataclass `cls` from plain data (as YAML or JSON gives it), strictly.
+
+    Nested dataclasses, Optional, tuple[X, ...], tuple[X, Y], list[X], Literal, Path, int, float,
+    bool and str are understood. An int is accepted for a float, a bool never for an int.
+    """
+    base = Path(base_dir).expanduser().absolute()
+    return _convert(cls, data, path, base, None)
+
+
+def _convert(tp: Any, value: Any, path: str, base_dir: Path, default: Any, expected: str = "") -> Any:
+    """Convert `value` to type `tp`; `expected` overrides the type's name in messages (for Optional)."""
+    origin = typing.get_origin(tp)
+    expected = expected or _type_name(tp)
+    if dataclasses.is_dataclass(tp):
+        return _build(tp, value, path, base_dir, default if dataclasses.is_dataclass(default) else None, expected)
+    if origin in (Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        (inner,) = [a for a in args if a is not type(None)]  # only Optional[X] unions appear in the tree
+        return _convert(inner, value, path, base_dir, default, expected)
+    if origin is Literal:
+        allowed = typing.get_args(tp)
+        if isinstance(value, str) and value in allowed:
+            return value
+        hint = _suggest(value, allowed) if isinstance(value, str) else _bool_hint(value)
+        raise ConfigError(f"{path}: expected {expected}; got {_describe(value)}{hint}")
+    if origin in (tuple, list):
+        if not isinstance(value, list | tuple):
+            raise ConfigError(f"{path}: expected {expected}, got {_describe(value)}")
+        args = typing.get_args(tp)
+        if origin is tuple and not (len(args) == 2 and args[1] is Ellipsis):
+            if len(value) != len(args):
+                raise ConfigError(f"{path}: expected a list of {len(args)} items, got {len(value)}")
+            item_types = args
+        else:
+            item_types = (args[0],) * len(value)
+        items = [_convert(t, v, f"{path}[{i}]", base_dir, None) for i, (t, v) in enumerate(zip(item_types, value))]
+        return tuple(items) if origin is tuple else items
+    if tp is Path:
+        if not isinstance(value, str) or not value:
+            raise ConfigError(f"{path}: expected {expected}, got {_describe(value)}{_bool_hint(value)}")
+        resolved = Path(value).expanduser()
+        if not resolved.is_absolute():
+            resolved = base_dir / resolved
+        return Path(os.path.normpath(resolved))
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif tp is float:
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            if not math.isfinite(value):
+                raise ConfigError(f"{path}: expected a finite number, got {value}")
+            return float(value)
+    elif tp is str:
+        if isinstance(value, str):
+            return value
+    else:
+        raise TypeError(f"{path}: the config converter does not handle type {tp!r}")
+    raise ConfigError(f"{path}: expected {expected}, got {_describe(value)}{_bool_hint(value)}")
+
+
+def _build(cls: type, value: Any, path: str, base_dir: Path, base: Any, expected: str) -> Any:
+    """Build one dataclass from a mapping; fields left out come from `base`, else the class default."""
+    if not isinstance(value, dict):
+        raise ConfigError(f"{path or 'job config'}: expected {expected}, got {_describe(value)}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    for key in value:
+        if key not in fields:
+            suggestion = _suggest(str(key), tuple(fields))
+            raise ConfigError(f"unknown key {_join(path, str(key))!r}{suggestion}")
+    kwargs: dict[str, Any] = {}
+    for name, f in fields.items():
+        sub_path = _join(path, name)
+        if name in value:
+            inner_default = getattr(base, name) if base is not None else _field_default(f)
+            kwargs[name] = _convert(hints[name], value[name], sub_path, base_dir, inner_default)
+        elif base is not None:
+            kwargs[name] = getattr(base, name)
+        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            raise ConfigError(f"{sub_path}: required key is missing")
+    try:
+        return cls(**kwargs)
+    except _FieldError as e:
+        raise ConfigError(f"{_join(path, e.field)}: {e.reason}") from e
+
+
+def _field_default(f: dataclasses.Field) -> Any:
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return None
+
+
+def _join(path: str, name: str) -> str:
+    return f"{path}.{name}" if path else name
+
+
+def _suggest(word: str, choices: tuple[str, ...]) -> str:
+    close = difflib.get_close_matches(word, choices, n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _bool_hint(value: Any) -> str:
+    return " (YAML reads yes/no/on/off/true/false as booleans; quote it)" if isinstance(value, bool) else ""
+
+
+def _describe(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, dict):
+        return "a mapping"
+    if isinstance(value, list | tuple):
+        return "a list"
+    text = repr(value)
+    return f"{type(value).__name__} {text if len(text) <= 60 else text[:57] + '...'}"
+
+
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        return "a mapping"
+    if origin in (Union, types.UnionType):
+        (inner,) = [a for a in typing.get_args(tp) if a is not type(None)]
+        return f"{_type_name(inner)} or null"
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (tuple, list):
+        args = typing.get_args(tp)
+        if origin is tuple and not (len(args) == 2 and args[1] is Ellipsis):
+            return f"a list of {len(args)} items"
+        return f"a list of {_type_name(args[0])}"
+    return {Path: "a path", bool: "bool", int: "int", float: "float", str: "str"}.get(tp, repr(tp))
+
+
+# --------------------------------------------------------------------------- after loading
+
+
+def check_paths(cfg: JobConfig) -> None:
+    """Raise ConfigError naming the field when a file the job will read does not exist."""
+    if not cfg.model.is_dir():
+        what = "does not exist" if not cfg.model.exists() else "is not a directory"
+        raise ConfigError(f"model: {cfg.model} {what} (expected a Hugging Face model directory)")
+    if not (cfg.model / "config.json").is_file():
+        raise ConfigError(f"model: {cfg.model} has no config.json (expected a Hugging Face model directory)")
+    files: list[tuple[str, Path]] = [(f"eval.datasets[{i}].path", d.path) for i, d in enumerate(cfg.eval.datasets)]
+    if not cfg.eval_only:
+        assert cfg.data.train is not None  # JobConfig checks this for training jobs
+        files.insert(0, ("data.train", cfg.data.train))
+        if cfg.sft is not None:
+            files.append(("sft.data", cfg.sft.data))
+    for name, file in files:
+        if not file.is_file():
+            what = "does not exist" if not file.exists() else "is not a file"
+            raise ConfigError(f"{name}: {file} {what}")
+
+
+def resolve_output_dir(cfg: JobConfig, *, cwd: Path, now: datetime) -> Path:
+    """output_dir, or its default <cwd>/runs/<name>-<YYYYmmdd-HHMMSS> for a job started at `now`."""
+    if cfg.output_dir is not None:
+        return cfg.output_dir
+    return Path(cwd).absolute() / "runs" / f"{cfg.name}-{now:%Y%m%d-%H%M%S}"
+
+
+def to_dict(cfg: Any) -> Any:
+    """Plain data (dicts, lists, str, numbers, None) for a config tree; paths become absolute strings."""
+    if dataclasses.is_dataclass(cfg) and not isinstance(cfg, type):
+        return {f.name: to_dict(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)}
+    if isinstance(cfg, Path):
+        return str(cfg.absolute())
+    if isinstance(cfg, list | tuple):
+        return [to_dict(v) for v in cfg]
+    return cfg
+
+
+def to_yaml(cfg: JobConfig) -> str:
+    """The YAML form of `to_dict(cfg)`, in field order; `parse_job` reads it back to an equal config."""
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False)
+
+
+# --------------------------------------------------------------------------- JSON Schema
+
+
+def job_json_schema() -> dict[str, Any]:
+    """A JSON Schema (draft 2020-12) for job configs, derived from the dataclasses."""
+    defs: dict[str, Any] = {}
+    _schema(JobConfig, defs)
+    root = defs.pop(JobConfig.__name__)
+    return {"$schema": "https://json-schema.org/draft/2020-12/schema", "title": "rlfleet job", **root, "$defs": defs}
+
+
+def _schema(tp: Any, defs: dict[str, Any]) -> dict[str, Any]:
+    origin = typing.get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        if tp.__name__ not in defs:
+            defs[tp.__name__] = {}  # placeholder first: a self-reference must not recurse forever
+            defs[tp.__name__] = _object_schema(tp, defs)
+        return {"$ref": f"#/$defs/{tp.__name__}"}
+    if origin in (Union, types.UnionType):
+        (inner,) = [a for a in typing.get_args(tp) if a is not type(None)]
+        return {"anyOf": [_schema(inner, defs), {"type": "null"}]}
+    if origin is Literal:
+        return {"type": "string", "enum": list(typing.get_args(tp))}
+    if origin in (tuple, list):
+        args = typing.get_args(tp)
+        if origin is tuple and not (len(args) == 2 and args[1] is Ellipsis):
+            items = [_schema(a, defs) for a in args]
+            return {"type": "array", "prefixItems": items, "items": False, "minItems": len(items)}
+        return {"type": "array", "items": _schema(args[0], defs)}
+    if tp is Path:
+        return {"type": "string", "minLength": 1, "description": "a path; relative paths are resolved "
+                "against the job file's directory"}
+    return {"type": {bool: "boolean", int: "integer", float: "number", str: "string"}[tp]}
+
+
+def _object_schema(cls: type, defs: dict[str, Any]) -> dict[str, Any]:
+    hints = typing.get_type_hints(cls)
+    docs = _field_docs(cls)
+    properties: dict[str, Any] = {}
+    required: list[str] = []
+    for f in dataclasses.fields(cls):
+        prop = _schema(hints[f.name], defs)
+        if f.name in docs:
+            prop = {**prop, "description": docs[f.name]}
+        if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            required.append(f.name)
+        else:
+            prop["default"] = to_dict(_field_default(f))
+        properties[f.name] = prop
+    summary = (inspect.getdoc(cls) or "").split("\n\n")[0]
+    return {
+        "type": "object", "description": summary, "properties": properties,
+        "required": required, "additionalProperties": False,
+    }
+
+
+def _field_docs(cls: type) -> dict[str, str]:
+    """Per-field descriptions from the `Attributes:` section of a dataclass docstring."""
+    _, _, section = (inspect.getdoc(cls) or "").partition("Attributes:\n")
+    docs: dict[str, str] = {}
+    for line in section.splitlines():
+        if match := re.fullmatch(r"    (\w+): (.*)", line):
+            docs[match[1]] = match[2]
+        elif line.startswith("        ") and docs:
+            docs[next(reversed(docs))] += " " + line.strip()
+        else:
+            break
+    return docs

@@ -1,0 +1,353 @@
+"""The RL loop the coordinator runs for one job: generate, reward, advantages, train, sync, eval.
+
+It talks to workers only through `clients` adapters and reports everything it does through an
+`emit(kind, step, data)` callback, which the job manager persists and streams to watchers. The
+loop owns no gRPC, files or threads beyond fanning calls out to several engines at once.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from services import rpc
+from services.api import rollout_pb2, trainer_pb2, weights_pb2
+from services.coordinator.advantages import compute_advantages
+from services.coordinator.clients import Completion, PeerError, RolloutClient, TrainerClient
+from services.coordinator.config import JobConfig
+from services.coordinator.datasets import Example, PromptSampler, load_jsonl
+from services.coordinator.rewards import build_reward
+from services.models.tokenizer import load_tokenizer
+
+log = rpc.get_logger("coordinator")
+Emit = Callable[[str, int, dict], None]
+
+
+class JobCancelled(RuntimeError):
+    pass
+
+
+class WeightSyncFailed(RuntimeError):
+    pass
+
+
+@dataclass
+class Fleet:
+    """The workers a job runs on, as the coordinator reaches them."""
+
+    trainers: list[TrainerClient]
+    engines: list[RolloutClient]
+    trainer_token: str = ""
+    in_pool: set[int] = field(default_factory=set)
+
+
+def trainer_config(job: JobConfig) -> trainer_pb2.TrainerConfig:
+    t, a = job.trainer, job.algorithm
+    sched = t.scheduler
+    return trainer_pb2.TrainerConfig(
+        model_path=str(job.model),
+        backend=t.backend,
+        device=t.device,
+        dtype=t.dtype,
+        seed=job.seed,
+        optimizer=trainer_pb2.OptimizerConfig(
+            lr=t.optimizer.lr,
+            weight_decay=t.optimizer.weight_decay,
+            beta1=t.optimizer.betas[0],
+            beta2=t.optimizer.betas[1],
+            eps=t.optimizer.eps,
+            grad_clip=t.optimizer.grad_clip,
+        ),
+        scheduler=trainer_pb2.SchedulerConfig(
+            kind=sched.kind,
+            warmup_steps=sched.warmup_steps,
+            decay_steps=sched.total_decay_steps(job.num_rollout),
+            min_lr_ratio=sched.min_lr_ratio,
+        ),
+        loss=trainer_pb2.LossConfig(
+            clip_eps_low=a.clip_eps_low,
+            clip_eps_high=a.clip_eps_high,
+            kl_coef=a.kl_coef,
+            kl_estimator=a.kl_estimator,
+            entropy_coef=a.entropy_coef,
+            loss_agg=a.loss_agg,
+        ),
+        tags=job.trainer_tags,
+        eval_only=job.eval_only,
+        offload=t.offload,
+        colocate=t.colocate,
+        micro_batch_size=t.micro_batch_size,
+        bucket_bytes=job.weight_sync.bucket_bytes,
+        master_weights=t.master_weights or "",
+    )
+
+
+def sampling_params(cfg, *, n: int = 1, seed: int | None = None) -> rollout_pb2.SamplingParams:
+    params = rollout_pb2.SamplingParams(
+        temperature=cfg.temperature,
+        top_p=cfg.top_p,
+        top_k=cfg.top_k,
+        max_new_tokens=cfg.max_new_tokens,
+        stop=list(cfg.stop),
+        n=n,
+    )
+    if seed is not None:
+        params.seed = seed
+    return params
+
+
+class RLLoop:
+    def __init__(self, job: JobConfig, fleet: Fleet, emit: Emit, cancelled: threading.Event | None = None):
+        self.job = job
+        self.fleet = fleet
+        self.emit = emit
+        self.cancelled = cancelled or threading.Event()
+        self.weights_version = -1
+        self._pool = ThreadPoolExecutor(max_workers=max(1, len(fleet.engines)))
+        self._eval_sets = [
+            (ds, load_jsonl(ds.path, job.data.prompt_key, job.data.answer_key, limit=ds.limit), build_reward(ds.reward))
+            for ds in job.eval.datasets
+        ]
+
+    # ---- setup -------------------------------------------------------------------------------
+    def setup(self) -> None:
+        if not self.fleet.trainers:
+            raise ValueError("fleet: the job needs a trainer and none is available")
+        if not self.fleet.engines:
+            raise ValueError("fleet: the job needs a rollout engine and none is available")
+        config = trainer_config(self.job)
+        for trainer in self.fleet.trainers:
+            status = trainer.configure(config)
+            self.emit("log", 0, {"message": f"trainer {trainer.address} ready ({status.num_parameters} parameters)"})
+        rollout_config = rollout_pb2.RolloutConfig(
+            model_path=str(self.job.model),
+            engine="torch",
+            device=self.job.trainer.device,
+            dtype=self.job.trainer.dtype,
+            seed=self.job.seed,
+            load_weights=True,
+        )
+        for engine in self.fleet.engines:
+            engine.configure(rollout_config)
+        self.fleet.in_pool = set(range(len(self.fleet.engines)))
+        self.sync_weights(step=0)
+
+    # ---- weights -----------------------------------------------------------------------------
+    def sync_weights(self, step: int) -> dict:
+        started = time.perf_counter()
+        source = self.fleet.trainers[0]
+        algo = "sha256" if self.job.weight_sync.verify == "exact" else ""
+        manifest = source.weight_manifest(algo)
+        endpoint = weights_pb2.TrainerEndpoint(address=source.address, token=self.fleet.trainer_token)
+        timeout = float(self.job.weight_sync.timeout_s)
+
+        def update(index: int):
+            return self.fleet.engines[index].update_weights_from_trainer(manifest, endpoint, timeout)
+
+        targets = sorted(range(len(self.fleet.engines)))  # a full sync also readmits engines that failed before
+        futures = {i: self._pool.submit(update, i) for i in targets}
+        failures = {}
+        for i, fut in futures.items():
+            try:
+                fut.result()
+                self.fleet.in_pool.add(i)
+            except PeerError as e:
+                self.fleet.in_pool.discard(i)
+                failures[self.fleet.engines[i].address] = str(e)
+        stats = {
+            "version": manifest.version,
+            "bytes": manifest.total_bytes,
+            "seconds": time.perf_counter() - started,
+            "plane": "grpc_stream",
+            "engines_in_pool": len(self.fleet.in_pool),
+            "failures": failures,
+        }
+        self.emit("weight_sync", step, stats)
+        if not self.fleet.in_pool:
+            raise WeightSyncFailed(f"weight sync to version {manifest.version} failed on every engine: {failures}")
+        self.weights_version = manifest.version
+        return stats
+
+    # ---- generation --------------------------------------------------------------------------
+    def generate(self, prompts: list[str], sampling: rollout_pb2.SamplingParams) -> list[Completion]:
+        """Spread prompts over the engines in the pool; an engine that fails is retried elsewhere."""
+        pending = list(range(len(prompts)))
+        results: dict[int, list[Completion]] = {}
+        while pending:
+            pool = sorted(self.fleet.in_pool)
+            if not pool:
+                raise RuntimeError("no rollout engine left in the pool")
+            shards = [pending[k :: len(pool)] for k in range(len(pool))]
+            futures = {
+                engine: self._pool.submit(self._generate_on, engine, [prompts[i] for i in shard], sampling)
+                for engine, shard in zip(pool, shards)
+                if shard
+            }
+            pending = []
+            for (engine, fut), shard in zip(futures.items(), [s for s in shards if s]):
+                try:
+                    per_prompt = fut.result()
+                except PeerError as e:
+                    log.warning("engine %s failed, retrying its prompts elsewhere: %s", e.peer, e)
+                    self.fleet.in_pool.discard(engine)
+                    self.emit("log", 0, {"message": f"engine {e.peer} left the pool: {e}"})
+                    pending += shard
+                    continue
+                for prompt_index, group in zip(shard, per_prompt):
+                    results[prompt_index] = group
+        return [c for i in range(len(prompts)) for c in results[i]]
+
+    def _generate_on(self, engine: int, prompts: list[str], sampling) -> list[list[Completion]]:
+        client = self.fleet.engines[engine]
+        n = max(1, sampling.n)
+        flat = client.generate(prompts, sampling)
+        return [flat[i * n : (i + 1) * n] for i in range(len(prompts))]
+
+    # ---- eval --------------------------------------------------------------------------------
+    def evaluate(self, step: int) -> dict[str, float]:
+        scores = {}
+        for ds, examples, reward in self._eval_sets:
+            started = time.perf_counter()
+            completions = self.generate([e.prompt for e in examples], sampling_params(ds.sampling, seed=self.job.seed))
+            rewards = [reward(c.text, e.answer, e.prompt) for c, e in zip(completions, examples)]
+            scores[ds.name] = sum(rewards) / len(rewards)
+            self.emit(
+                "eval",
+                step,
+                {
+                    "dataset": ds.name,
+                    "score": scores[ds.name],
+                    "num_prompts": len(examples),
+                    "weights_version": self.weights_version,
+                    "seconds": time.perf_counter() - started,
+                },
+            )
+        return scores
+
+    # ---- training ----------------------------------------------------------------------------
+    def rl_step(self, step: int, examples: list[Example]) -> dict[str, float]:
+        job, algo = self.job, self.job.algorithm
+        n = job.rollout.samples_per_prompt
+        t0 = time.perf_counter()
+        sampling = sampling_params(job.rollout.sampling, n=n, seed=self._rng.randrange(2**31))
+        completions = self.generate([e.prompt for e in examples], sampling)
+        t1 = time.perf_counter()
+        rewards = torch.tensor(
+            [self._reward(c.text, e.answer, e.prompt) for e, group in zip(examples, _groups(completions, n)) for c in group]
+        ).view(len(examples), n)  # [P, n]
+        advantages = compute_advantages(algo.advantage, rewards, normalize_std=algo.normalize_std).view(-1)
+        samples = [
+            trainer_pb2.Sample(
+                prompt_ids=c.prompt_ids,
+                response_ids=c.output_ids,
+                advantage=float(adv),
+                old_logprobs=c.logprobs,
+            )
+            for c, adv in zip(completions, advantages)
+            if c.output_ids
+        ]
+        batch = trainer_pb2.Batch(samples=samples)
+        trainer = self.fleet.trainers[0]
+        if algo.needs_ref:
+            for sample, ref in zip(batch.samples, trainer.compute_logprobs("ref", batch)):
+                sample.ref_logprobs.extend(ref)
+        train_metrics, _ = trainer.train_step(batch)
+        t2 = time.perf_counter()
+        sync = self.sync_weights(step)
+        lengths = [len(c.output_ids) for c in completions]
+        metrics = {
+            "reward_mean": float(rewards.mean()),
+            "reward_std": float(rewards.std()) if rewards.numel() > 1 else 0.0,
+            "solved_groups": float((rewards.max(dim=1).values > 0).float().mean()),
+            "response_len_mean": sum(lengths) / len(lengths),
+            "truncated_frac": sum(c.finish_reason == "length" for c in completions) / len(completions),
+            "generate_s": t1 - t0,
+            "train_s": t2 - t1,
+            "sync_s": sync["seconds"],
+            "weights_version": float(self.weights_version),
+            **{f"train/{k}": v for k, v in train_metrics.items()},
+        }
+        self.emit("step", step, metrics)
+        return metrics
+
+    def sft_stage(self) -> None:
+        sft = self.job.sft
+        examples = load_jsonl(sft.data, self.job.data.prompt_key, self.job.data.answer_key)
+        tokenizer = load_tokenizer(self.job.model)
+        sampler = PromptSampler(examples, sft.batch_size, seed=self.job.seed, shuffle=True)
+        for i in range(sft.steps):
+            self._check_cancelled()
+            rows = sampler.next_batch()
+            batch = trainer_pb2.Batch(
+                samples=[
+                    trainer_pb2.Sample(
+                        prompt_ids=tokenizer.encode(e.prompt),
+                        response_ids=tokenizer.encode(e.answer) + [tokenizer.eos_token_id],
+                    )
+                    for e in rows
+                ]
+            )
+            metrics, _ = self.fleet.trainers[0].train_step(batch, sft=True)
+            self.emit("sft", i + 1, metrics)
+        self.sync_weights(step=0)
+
+    # ---- the job -----------------------------------------------------------------------------
+    def run(self) -> dict:
+        started = time.time()
+        job = self.job
+        self._rng = random.Random(job.seed)
+        self.setup()
+        if job.sft is not None:
+            self.sft_stage()
+        before = self.evaluate(step=0)
+        self.emit("log", 0, {"message": f"eval before training: {before}"})
+        scores = dict(before)
+        step = 0
+        if job.num_rollout > 0:
+            examples = load_jsonl(job.data.train, job.data.prompt_key, job.data.answer_key)
+            self._reward = build_reward(job.reward)
+            sampler = PromptSampler(examples, job.rollout.prompts_per_step, seed=job.seed, shuffle=job.data.shuffle)
+            for step in range(1, job.num_rollout + 1):
+                self._check_cancelled()
+                self.rl_step(step, sampler.next_batch())
+                last = step == job.num_rollout
+                if job.eval.every and step % job.eval.every == 0 and not last:
+                    scores = self.evaluate(step)
+                if job.checkpoint.every and (step % job.checkpoint.every == 0 or last):
+                    self.save_checkpoint(step)
+            scores = self.evaluate(step)
+        primary = job.eval.datasets[0].name
+        return {
+            "name": job.name,
+            "eval_before": before[primary],
+            "eval_after": scores[primary],
+            "eval_dataset": primary,
+            "evals_before": before,
+            "evals_after": scores,
+            "steps": step,
+            "weights_version": self.weights_version,
+            "wall_s": time.time() - started,
+        }
+
+    def save_checkpoint(self, step: int) -> None:
+        directory = Path(self.job.checkpoint.dir) / f"step-{step:06d}"
+        self.fleet.trainers[0].save_checkpoint(str(directory))
+        self.emit("checkpoint", step, {"path": str(directory)})
+
+    def _check_cancelled(self) -> None:
+        if self.cancelled.is_set():
+            raise JobCancelled("job cancelled")
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _groups(completions: list[Completion], n: int) -> list[list[Completion]]:
+    return [completions[i : i + n] for i in range(0, len(completions), n)]

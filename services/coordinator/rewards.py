@@ -1,0 +1,267 @@
+"""Rewards: score one completion against the reference answer of its prompt.
+
+A reward is any callable `(completion, answer, prompt) -> float` (the `Reward` protocol).
+Built-ins cover the example tasks: `exact_match`, `math_answer` (last number or `\\boxed{}`
+compared numerically) and `countdown` (an arithmetic expression checked with `ast`, never
+`eval`). Users plug in their own as a Python `module:function` or as an HTTP endpoint.
+`build_reward` turns a `RewardConfig` into one; failures of user code and remote endpoints are
+`RewardError`s chained to their cause.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import json
+import math
+import numbers
+import re
+import urllib.error
+import urllib.request
+from collections import Counter
+from fractions import Fraction
+from typing import Callable, Protocol
+
+from services.coordinator.config import RewardConfig
+
+
+class Reward(Protocol):
+    def __call__(self, completion: str, answer: str, prompt: str) -> float: ...
+
+
+class RewardError(RuntimeError):
+    """A reward could not be computed: unimportable function, failing endpoint, malformed answer."""
+
+
+# --------------------------------------------------------------------------- exact_match
+
+
+def exact_match(completion: str, answer: str, prompt: str = "") -> float:
+    """1.0 when the completion equals the answer, ignoring surrounding whitespace."""
+    return 1.0 if completion.strip() == answer.strip() else 0.0
+
+
+# --------------------------------------------------------------------------- math_answer
+
+_NUMBER_RE = re.compile(r"[-+]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:/\d+)?|[-+]?\.\d+")
+
+
+def math_answer(completion: str, answer: str, prompt: str = "") -> float:
+    """1.0 when the completion's final answer equals the reference.
+
+    The final answer is the content of the last `\\boxed{...}` when there is one, else the last
+    number in the completion (`1,234`, `-3.5` and `3/4` count as numbers). When both sides parse
+    as numbers they are compared numerically (relative tolerance 1e-6), otherwise as strings
+    after normalisation (no surrounding `$`, spaces or trailing period; lower case).
+    """
+    predicted = _last_boxed(completion)
+    if predicted is None:
+        numbers = _NUMBER_RE.findall(completion)
+        if not numbers:
+            return 0.0
+        predicted = numbers[-1]
+    a, b = _as_number(predicted), _as_number(answer)
+    if a is not None and b is not None:
+        return 1.0 if math.isclose(a, b, rel_tol=1e-6, abs_tol=1e-9) else 0.0
+    return 1.0 if _normalise(predicted) == _normalise(answer) else 0.0
+
+
+def _last_boxed(text: str) -> str | None:
+    """Content of the last \\boxed{...}, with nested braces balanced; None when there is none."""
+    start = text.rfind("\\boxed{")
+    if start < 0:
+        return None
+    depth, begin = 0, start + len("\\boxed{")
+    for i in range(begin, len(text)):
+        if text[i] == "{":
+            depth += 1
+        elif text[i] == "}":
+            if depth == 0:
+                return text[begin:i]
+            depth -= 1
+    return None  # unclosed: the model ran out of tokens mid-answer
+
+
+def _normalise(text: str) -> str:
+    text = text.strip().strip("$").strip()
+    text = re.sub(r"\\text\{([^}]*)\}", r"\1", text)
+    return re.sub(r"\s+", "", text).rstrip(".").lower()
+
+
+def _as_number(text: str) -> float | None:
+    text = _normalise(text).replace(",", "")
+    if text.endswith("%"):
+        text = text[:-1]
+    try:
+        value = float(Fraction(text))
+    except (ValueError, ZeroDivisionError, OverflowError):
+        return None
+    return value if math.isfinite(value) else None
+
+
+# --------------------------------------------------------------------------- countdown
+
+_MAX_EXPRESSION_CHARS = 200
+_BINARY_OPS = {ast.Add: Fraction.__add__, ast.Sub: Fraction.__sub__, ast.Mult: Fraction.__mul__, ast.Div: Fraction.__truediv__}
+
+
+def countdown(completion: str, answer: str, prompt: str = "") -> float:
+    """Score a Countdown answer: reach the target with + - * / and the given numbers.
+
+    The answer is `"target|n1,n2,..."` (e.g. `"24|3,4,6,1"`). The expression is the content of
+    the last `<answer>...</answer>` in the completion, else its last non-empty line; anything
+    from the first `=` on is ignored (`3*8 = 24`), and `×`/`÷` are read as `*`/`/`.
+    Returns 1.0 when the expression uses each given number at most once (as many times as it
+    is listed) and equals the target exactly; 0.1 when it is a well-formed arithmetic expression
+    (non-negative integers, binary + - * /, parentheses) that breaks a rule, divides by zero or
+    misses the target; 0.0 when no well-formed expression is found.
+    """
+    target, numbers = _parse_countdown_answer(answer)
+    expression = _extract_expression(completion)
+    if expression is None:
+        return 0.0
+    used = _arithmetic_literals(expression)
+    if used is None:
+        return 0.0
+    if Counter(used) - Counter(numbers):
+        return 0.1  # a number that is not given, or one used more often than given
+    try:
+        value = _evaluate(expression.body)
+    except ZeroDivisionError:
+        return 0.1
+    return 1.0 if value == target else 0.1
+
+
+def _parse_countdown_answer(answer: str) -> tuple[int, list[int]]:
+    try:
+        target, _, numbers = answer.partition("|")
+        return int(target), [int(n) for n in numbers.split(",") if n.strip()]
+    except ValueError as e:
+        raise RewardError(f"countdown: answer must be \"target|n1,n2,...\", got {answer!r}") from e
+
+
+def _extract_expression(completion: str) -> ast.Expression | None:
+    tagged = re.findall(r"<answer>(.*?)</answer>", completion, flags=re.DOTALL)
+    if tagged:
+        text = tagged[-1]
+    else:
+        lines = [line for line in completion.splitlines() if line.strip()]
+        text = lines[-1] if lines else ""
+    text = text.split("=")[0].replace("×", "*").replace("÷", "/").strip().rstrip(".")
+    if not text or len(text) > _MAX_EXPRESSION_CHARS:
+        return None
+    try:
+        return ast.parse(text, mode="eval")
+    except SyntaxError:
+        return None
+
+
+def _arithmetic_literals(tree: ast.Expression) -> list[int] | None:
+    """The integer literals of a pure binary + - * / expression; None if it contains anything else."""
+    literals: list[int] = []
+    for node in ast.walk(tree.body):
+        if isinstance(node, ast.BinOp):
+            if type(node.op) not in _BINARY_OPS:
+                return None
+        elif isinstance(node, ast.Constant) and type(node.value) is int and node.value >= 0:
+            literals.append(node.value)
+        elif not isinstance(node, ast.operator):
+            return None
+    return literals
+
+
+def _evaluate(node: ast.expr) -> Fraction:
+    if isinstance(node, ast.Constant):
+        return Fraction(node.value)
+    assert isinstance(node, ast.BinOp)  # _arithmetic_literals admitted nothing else
+    return _BINARY_OPS[type(node.op)](_evaluate(node.left), _evaluate(node.right))
+
+
+# --------------------------------------------------------------------------- user rewards
+
+
+def load_python_reward(spec: str) -> Reward:
+    """Import `module:function` (the module must be importable, e.g. on PYTHONPATH)."""
+    module_name, _, attr_path = spec.partition(":")
+    if not module_name or not attr_path:
+        raise RewardError(f"reward.function: expected \"module:function\", got {spec!r}")
+    try:
+        target: object = importlib.import_module(module_name)
+    except ImportError as e:
+        raise RewardError(f"reward.function: cannot import module {module_name!r} ({e})") from e
+    for attr in attr_path.split("."):
+        if not hasattr(target, attr):
+            raise RewardError(f"reward.function: {module_name!r} has no attribute {attr_path!r}")
+        target = getattr(target, attr)
+    if not callable(target):
+        raise RewardError(f"reward.function: {spec!r} is not callable")
+    return _checked(spec, target)
+
+
+def _checked(name: str, fn: Callable[[str, str, str], object]) -> Reward:
+    """Wrap user code: its exceptions and non-numeric or non-finite results become RewardError."""
+
+    def reward(completion: str, answer: str, prompt: str) -> float:
+        try:
+            value = fn(completion, answer, prompt)
+        except Exception as e:
+            raise RewardError(f"reward {name} raised {type(e).__name__}: {e}") from e
+        return _as_reward(name, value)
+
+    return reward
+
+
+def _as_reward(source: str, value: object) -> float:
+    if not isinstance(value, numbers.Real):  # int, float, bool, numpy scalars
+        raise RewardError(f"reward {source} returned {type(value).__name__} {value!r}, expected a number")
+    if not math.isfinite(value):
+        raise RewardError(f"reward {source} returned {value}, expected a finite number")
+    return float(value)
+
+
+class HttpReward:
+    """POSTs `{"prompt", "completion", "answer"}` as JSON to a URL and reads `{"reward": float}`."""
+
+    def __init__(self, url: str, timeout_s: float) -> None:
+        self.url = url
+        self.timeout_s = timeout_s
+
+    def __call__(self, completion: str, answer: str, prompt: str) -> float:
+        body = json.dumps({"prompt": prompt, "completion": completion, "answer": answer}).encode()
+        request = urllib.request.Request(
+            self.url, data=body, method="POST", headers={"Content-Type": "application/json"}
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
+                raw = response.read()
+        except urllib.error.HTTPError as e:
+            raise RewardError(f"reward endpoint {self.url} answered HTTP {e.code} {e.reason}") from e
+        except (urllib.error.URLError, TimeoutError, OSError) as e:
+            reason = getattr(e, "reason", e)
+            raise RewardError(f"reward endpoint {self.url} unreachable: {reason}") from e
+        try:
+            payload = json.loads(raw)
+        except ValueError as e:
+            raise RewardError(f"reward endpoint {self.url} returned invalid JSON: {raw[:200]!r}") from e
+        if not isinstance(payload, dict) or "reward" not in payload:
+            raise RewardError(f"reward endpoint {self.url} returned {payload!r}, expected {{\"reward\": <number>}}")
+        value = payload["reward"]
+        if isinstance(value, bool):  # JSON true is not a score
+            raise RewardError(f"reward endpoint {self.url} returned bool {value!r}, expected a number")
+        return _as_reward(f"endpoint {self.url}", value)
+
+
+_BUILTINS: dict[str, Reward] = {"exact_match": exact_match, "math_answer": math_answer, "countdown": countdown}
+
+
+def build_reward(cfg: RewardConfig) -> Reward:
+    """The reward a RewardConfig describes; imports a python reward now, so a typo fails at start."""
+    if cfg.kind in _BUILTINS:
+        return _BUILTINS[cfg.kind]
+    if cfg.kind == "python":
+        assert cfg.function is not None  # RewardConfig requires it
+        return load_python_reward(cfg.function)
+    if cfg.kind == "http":
+        assert cfg.url is not None  # RewardConfig requires it
+        return HttpReward(cfg.url, cfg.timeout_s)
+    raise ValueError(f"reward.kind: unknown kind {cfg.kind!r}")

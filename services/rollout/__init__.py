@@ -1,0 +1,1 @@
+"""Rollout service: generates completions for the trainer from the current policy."""

@@ -1,0 +1,121 @@
+"""The rollout engine's state: a model, its tokenizer, the weight version it serves, and whether
+it is in the generation pool.
+
+Weight updates are staged outside the model and verified before anything is copied in; the copy
+happens under the same lock generation takes, so a request sees either the old weights or the
+new ones, never a mix. After an update that failed past validation the engine leaves the pool
+(`serving` false) until a full update succeeds.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import torch
+
+from services.models import load_hf_dir, load_tokenizer
+from services.models.checkpoint import load_config
+from services.models.decoder import DecoderLM, init_weights
+from services.rollout.torch_engine import Generation, Sampling, generate
+from services.weights.apply import load_buckets_into, named_weights
+from services.weights.buckets import Manifest, dtype_name, pack_bucket, parse_dtype, plan_buckets
+from services.weights.errors import WeightSyncError
+from services.weights.fingerprint import fingerprint
+from services.weights.manifest import validate_against
+
+
+class EngineUnavailable(RuntimeError):
+    """The engine is out of the generation pool (a failed update, or memory released)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class RolloutSettings:
+    model_path: str
+    engine: str = "torch"
+    device: str = "cpu"
+    dtype: str = "float32"
+    seed: int = 0
+    max_batch_size: int = 256
+    load_weights: bool = True
+
+    def __post_init__(self) -> None:
+        if not self.model_path:
+            raise ValueError("model_path: required")
+        if self.engine != "torch":
+            raise ValueError(f"engine: unknown engine {self.engine!r} (available: 'torch')")
+        if self.max_batch_size < 1:
+            raise ValueError("max_batch_size: must be >= 1")
+
+
+class RolloutEngine:
+    def __init__(self, settings: RolloutSettings):
+        self.settings = settings
+        self.device = torch.device(settings.device)
+        dtype = parse_dtype(settings.dtype)
+        if settings.load_weights:
+            self.model_config, self.model = load_hf_dir(settings.model_path, dtype=dtype, device=self.device)
+        else:
+            self.model_config = load_config(settings.model_path)
+            self.model = DecoderLM(self.model_config).to(device=self.device, dtype=dtype)
+            init_weights(self.model, seed=settings.seed)
+        self.model.eval()
+        self.tokenizer = load_tokenizer(settings.model_path)
+        self.weight_version = 0
+        self.serving = True
+        self.last_error = ""
+        self._lock = threading.Lock()
+
+    @property
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.model.parameters())
+
+    def generate(self, prompts_ids: list[list[int]], sampling: Sampling) -> tuple[list[Generation], int]:
+        with self._lock:
+            if not self.serving:
+                raise EngineUnavailable(f"engine is out of the generation pool: {self.last_error}")
+            results = generate(
+                self.model, self.tokenizer, prompts_ids, sampling,
+                max_batch_size=self.settings.max_batch_size, device=self.device,
+            )
+            return results, self.weight_version
+
+    def expected_tensors(self) -> dict[str, tuple[str, tuple[int, ...]]]:
+        return {name: (dtype_name(t.dtype), tuple(t.shape)) for name, t in named_weights(self.model)}
+
+    def validate(self, manifest: Manifest) -> None:
+        """Raise ManifestMismatch (a ValueError) when the update does not fit this model."""
+        validate_against(manifest, self.expected_tensors())
+
+    def apply(self, manifest: Manifest, buffers: list[torch.Tensor]) -> int:
+        """Copy verified buckets into the model and switch to the manifest's version atomically."""
+        with self._lock:
+            copied = load_buckets_into(dict(named_weights(self.model)), manifest, buffers)
+            actual = self._fingerprints_locked(manifest)
+            expected = [b.fingerprint for b in manifest.buckets]
+            if actual != expected:
+                bad = next(i for i, (a, e) in enumerate(zip(actual, expected)) if a != e)
+                self._leave_pool_locked(f"bucket {bad} reads back as {actual[bad]}, expected {expected[bad]}")
+                raise WeightSyncError(f"weights did not verify after loading: {self.last_error}")
+            self.weight_version = manifest.version
+            self.serving, self.last_error = True, ""
+            return copied
+
+    def leave_pool(self, reason: str) -> None:
+        with self._lock:
+            self._leave_pool_locked(reason)
+
+    def _leave_pool_locked(self, reason: str) -> None:
+        self.serving, self.last_error = False, reason
+
+    def _fingerprints_locked(self, manifest: Manifest) -> list[str]:
+        tensors = dict(named_weights(self.model))
+        with torch.no_grad():
+            return [fingerprint(pack_bucket(b, tensors), manifest.fingerprint_algo) for b in manifest.buckets]
+
+    def fingerprints(self, algo: str, bucket_bytes: int) -> list[str]:
+        with self._lock:
+            named = named_weights(self.model)
+            tensors = dict(named)
+            with torch.no_grad():
+                return [fingerprint(pack_bucket(b, tensors), algo) for b in plan_buckets(named, bucket_bytes)]

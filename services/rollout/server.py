@@ -1,0 +1,176 @@
+"""gRPC servicer of `rlfleet.v1.Rollout`: translates protobuf to the engine and runs weight pulls.
+
+UpdateWeights validates the manifest against the model first (a mismatch is refused with
+INVALID_ARGUMENT and the engine keeps serving its current version), then pulls every bucket from
+the trainer into staging buffers, verifies them, and only then swaps them in.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+
+import grpc
+
+from services import rpc
+from services.api import rollout_pb2, rollout_pb2_grpc, trainer_pb2, trainer_pb2_grpc, weights_pb2
+from services.rollout.engine import EngineUnavailable, RolloutEngine, RolloutSettings
+from services.rollout.torch_engine import Sampling
+from services.weights.errors import InvalidChunk, WeightSyncError
+from services.weights.grpc_stream import StreamReceiver
+from services.weights.manifest import manifest_from_proto
+
+SERVICE_NAME = "rlfleet.v1.Rollout"
+DEFAULT_UPDATE_TIMEOUT_S = 120.0
+_ERRORS = {
+    ValueError: grpc.StatusCode.INVALID_ARGUMENT,
+    FileNotFoundError: grpc.StatusCode.NOT_FOUND,
+    EngineUnavailable: grpc.StatusCode.UNAVAILABLE,
+    WeightSyncError: grpc.StatusCode.ABORTED,
+}
+_FINISH = {"stop": rollout_pb2.FINISH_REASON_STOP, "length": rollout_pb2.FINISH_REASON_LENGTH}
+log = rpc.get_logger("rollout")
+
+
+def sampling_from_proto(p: rollout_pb2.SamplingParams) -> Sampling:
+    return Sampling(
+        temperature=p.temperature if p.HasField("temperature") else 1.0,
+        top_p=p.top_p if p.HasField("top_p") else 1.0,
+        top_k=p.top_k,
+        max_new_tokens=p.max_new_tokens or 128,
+        stop=tuple(p.stop),
+        stop_token_ids=tuple(p.stop_token_ids),
+        n=p.n or 1,
+        seed=p.seed if p.HasField("seed") else None,
+        ignore_eos=p.ignore_eos,
+    )
+
+
+class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
+    def __init__(self):
+        self._engine: RolloutEngine | None = None
+        self._update_lock = threading.Lock()
+
+    def _require(self, context) -> RolloutEngine:
+        if self._engine is None:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, "engine is not configured: call Configure first")
+        return self._engine
+
+    def _status(self) -> rollout_pb2.RolloutStatus:
+        e = self._engine
+        if e is None:
+            return rollout_pb2.RolloutStatus(configured=False)
+        return rollout_pb2.RolloutStatus(
+            configured=True,
+            weight_version=e.weight_version,
+            serving=e.serving,
+            last_error=e.last_error,
+            num_parameters=e.num_parameters,
+        )
+
+    def Configure(self, request, context):
+        c = request.config
+        with self._update_lock, rpc.abort_on(context, _ERRORS):
+            settings = RolloutSettings(
+                model_path=c.model_path,
+                engine=c.engine or "torch",
+                device=c.device or "cpu",
+                dtype=c.dtype or "float32",
+                seed=c.seed,
+                max_batch_size=c.max_batch_size or 256,
+                load_weights=c.load_weights,
+            )
+            self._engine = RolloutEngine(settings)
+            log.info("configured: %s (%d parameters, %s)", c.model_path, self._engine.num_parameters, settings.device)
+            return rollout_pb2.ConfigureRolloutResponse(status=self._status())
+
+    def GetStatus(self, request, context):
+        return self._status()
+
+    def Generate(self, request, context):
+        with rpc.abort_on(context, _ERRORS):
+            engine = self._require(context)
+            if request.prompts and request.input_ids:
+                raise ValueError("prompts, input_ids: give one or the other, not both")
+            if request.prompts:
+                prompts_ids = [engine.tokenizer.encode(p) for p in request.prompts]
+            else:
+                prompts_ids = [list(t.ids) for t in request.input_ids]
+            if not prompts_ids:
+                raise ValueError("prompts: no prompts given")
+            sampling = sampling_from_proto(request.sampling)
+            results, version = engine.generate(prompts_ids, sampling)
+            return rollout_pb2.GenerateResponse(
+                weight_version=version,
+                results=[
+                    rollout_pb2.Completion(
+                        prompt_index=g.prompt_index,
+                        prompt_ids=g.prompt_ids,
+                        output_ids=g.output_ids,
+                        text=g.text,
+                        logprobs=g.logprobs if request.return_logprobs else [],
+                        finish_reason=_FINISH[g.finish_reason],
+                        weight_version=version,
+                    )
+                    for g in results
+                ],
+            )
+
+    def UpdateWeights(self, request, context):
+        with self._update_lock, rpc.abort_on(context, _ERRORS):
+            engine = self._require(context)
+            started = time.perf_counter()
+            manifest = manifest_from_proto(request.manifest)
+            if request.version != manifest.version:
+                raise ValueError(f"version: {request.version} does not match manifest.version {manifest.version}")
+            engine.validate(manifest)
+            if request.WhichOneof("source") != "trainer":
+                context.abort(
+                    grpc.StatusCode.UNIMPLEMENTED,
+                    f"source: plane {request.WhichOneof('source')!r} is not available on this engine yet",
+                )
+            timeout = request.timeout_s or DEFAULT_UPDATE_TIMEOUT_S
+            try:
+                buffers = self._pull(request.trainer, manifest, timeout)
+                copied = engine.apply(manifest, buffers)
+            except (WeightSyncError, InvalidChunk, grpc.RpcError) as e:
+                reason = e.details() if isinstance(e, grpc.RpcError) else str(e)
+                engine.leave_pool(f"weight update to version {manifest.version} failed: {reason}")
+                log.warning("update to version %d failed: %s", manifest.version, reason)
+                raise WeightSyncError(engine.last_error) from e
+            seconds = time.perf_counter() - started
+            log.info("weights version %d: %.1f MB in %.3fs", manifest.version, copied / 1e6, seconds)
+            return rollout_pb2.UpdateWeightsResponse(
+                version=manifest.version,
+                fingerprints=[b.fingerprint for b in manifest.buckets],
+                seconds=seconds,
+                bytes=copied,
+            )
+
+    @staticmethod
+    def _pull(endpoint: weights_pb2.TrainerEndpoint, manifest, timeout_s: float):
+        receiver = StreamReceiver(manifest)
+        with contextlib.closing(rpc.open_channel(endpoint.address, endpoint.token or None)) as channel:
+            stub = trainer_pb2_grpc.TrainerStub(channel)
+            for chunk in stub.GetWeights(trainer_pb2.GetWeightsRequest(version=manifest.version), timeout=timeout_s):
+                receiver.accept(chunk)
+        return receiver.finish(manifest.fingerprint_algo)
+
+    def GetWeightFingerprints(self, request, context):
+        with rpc.abort_on(context, _ERRORS):
+            engine = self._require(context)
+            prints = engine.fingerprints(request.fingerprint_algo or "fast", request.bucket_bytes or 512 * 1024 * 1024)
+            return rollout_pb2.GetWeightFingerprintsResponse(version=engine.weight_version, fingerprints=prints)
+
+
+def build_server(address: str = "127.0.0.1:0", token: str | None = None) -> rpc.Server:
+    servicer = RolloutServicer()
+    server = rpc.create_server(
+        lambda s: rollout_pb2_grpc.add_RolloutServicer_to_server(servicer, s),
+        (SERVICE_NAME,),
+        address=address,
+        token=token,
+    )
+    server.set_serving(True)
+    return server

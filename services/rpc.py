@@ -1,0 +1,183 @@
+"""gRPC plumbing shared by every rlfleet server and client.
+
+One place builds servers (health, reflection, bearer-token auth, message limits, graceful
+SIGTERM) and client channels (deadlines, token metadata), so the three services and the CLI
+behave the same on the wire. Servicers stay thin: they translate protobuf to domain objects
+and map typed domain errors to status codes with `abort_on`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+import logging
+import signal
+import threading
+from concurrent import futures
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+MAX_MESSAGE_BYTES = 256 * 1024 * 1024
+DEFAULT_DEADLINE_S = 600.0
+_OPEN_METHOD_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
+_CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+]
+
+
+def get_logger(role: str, rank: int | None = None) -> logging.Logger:
+    name = f"rlfleet.{role}" if rank is None else f"rlfleet.{role}.{rank}"
+    return logging.getLogger(name)
+
+
+def configure_logging(role: str, level: str = "INFO") -> None:
+    """Log lines carry the role so interleaved child-process output stays readable."""
+    logging.basicConfig(
+        level=getattr(logging, level.upper(), logging.INFO),
+        format=f"%(asctime)s %(levelname).1s [{role}] %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+    )
+
+
+class _BearerAuth(grpc.ServerInterceptor):
+    """Rejects calls without the configured bearer token; health and reflection stay open."""
+
+    def __init__(self, token: str):
+        self._expected = f"Bearer {token}".encode()
+
+        def deny(request, context):
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or invalid bearer token")
+
+        self._deny = grpc.unary_unary_rpc_method_handler(deny)
+
+    def intercept_service(self, continuation, handler_call_details):
+        if handler_call_details.method.startswith(_OPEN_METHOD_PREFIXES):
+            return continuation(handler_call_details)
+        for key, value in handler_call_details.invocation_metadata or ():
+            if key == "authorization" and hmac.compare_digest(value.encode(), self._expected):
+                return continuation(handler_call_details)
+        return self._deny
+
+
+@dataclass
+class Server:
+    """A started gRPC server with its health servicer and bound port."""
+
+    grpc_server: grpc.Server
+    health: health.HealthServicer
+    port: int
+    service_names: tuple[str, ...]
+
+    def set_serving(self, serving: bool) -> None:
+        status = (
+            health_pb2.HealthCheckResponse.SERVING
+            if serving
+            else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+        self.health.set("", status)
+        for name in self.service_names:
+            self.health.set(name, status)
+
+    def stop(self, grace_s: float = 5.0) -> None:
+        self.set_serving(False)
+        self.health.enter_graceful_shutdown()
+        self.grpc_server.stop(grace_s).wait()
+
+    def wait_for_termination_or_signal(self, grace_s: float = 5.0) -> None:
+        """Block until SIGTERM/SIGINT, then stop gracefully (in-flight calls get `grace_s`)."""
+        stop = threading.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: stop.set())
+        while not stop.wait(0.5):
+            pass
+        self.stop(grace_s)
+
+
+def create_server(
+    register: Callable[[grpc.Server], None],
+    service_names: tuple[str, ...],
+    *,
+    address: str = "127.0.0.1:0",
+    token: str | None = None,
+    max_workers: int = 16,
+) -> Server:
+    """Build, bind and start a server; `address` may use port 0 (the bound port is returned)."""
+    interceptors = [_BearerAuth(token)] if token else []
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=max_workers),
+        interceptors=interceptors,
+        options=_CHANNEL_OPTIONS,
+    )
+    register(server)
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        (*service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
+        server,
+    )
+    port = server.add_insecure_port(address)
+    if port == 0:
+        raise OSError(f"could not bind gRPC server to {address}")
+    server.start()
+    result = Server(server, health_servicer, port, service_names)
+    result.set_serving(False)
+    return result
+
+
+class _TokenMetadata(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
+    def __init__(self, token: str):
+        self._metadata = ("authorization", f"Bearer {token}")
+
+    def _augment(self, details):
+        metadata = list(details.metadata or []) + [self._metadata]
+        return details._replace(metadata=metadata)
+
+    def intercept_unary_unary(self, continuation, details, request):
+        return continuation(self._augment(details), request)
+
+    def intercept_unary_stream(self, continuation, details, request):
+        return continuation(self._augment(details), request)
+
+
+def open_channel(address: str, token: str | None = None) -> grpc.Channel:
+    """An insecure channel to `address` that adds the bearer token to every call."""
+    channel = grpc.insecure_channel(address, options=_CHANNEL_OPTIONS)
+    if token:
+        channel = grpc.intercept_channel(channel, _TokenMetadata(token))
+    return channel
+
+
+def wait_ready(address: str, timeout_s: float, token: str | None = None) -> None:
+    """Wait until the server at `address` reports SERVING on grpc.health.v1."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    last: Exception | None = None
+    with contextlib.closing(open_channel(address, token)) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while time.monotonic() < deadline:
+            try:
+                reply = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=2.0)
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError as e:  # not up yet
+                last = e
+            time.sleep(0.1)
+    raise TimeoutError(f"{address} did not report SERVING within {timeout_s:.0f}s ({last})")
+
+
+@contextlib.contextmanager
+def abort_on(context: grpc.ServicerContext, mapping: dict[type[BaseException], grpc.StatusCode]) -> Iterator[None]:
+    """Turn typed domain errors into gRPC status codes with the error's message."""
+    try:
+        yield
+    except tuple(mapping) as e:
+        for exc_type, code in mapping.items():
+            if isinstance(e, exc_type):
+                context.abort(code, str(e))
+        raise

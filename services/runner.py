@@ -1,0 +1,159 @@
+"""`rlfleet run`: one job on this machine, with every service as its own local process.
+
+Starts the trainers and rollout engines, then a coordinator that knows their addresses, submits
+the job over gRPC, follows its event stream with a progress bar, and prints the summary. Ctrl-C
+or a dead child stops everything and returns a non-zero exit code with the reason.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import queue
+import sys
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import yaml
+from tqdm import tqdm
+
+from services import rpc
+from services.api import coordinator_pb2, coordinator_pb2_grpc
+from services.coordinator.config import JobConfig, to_dict
+from services.launcher import ChildFailed, LocalFleet
+
+EXIT_OK, EXIT_FAILED, EXIT_CHILD, EXIT_INTERRUPTED = 0, 1, 3, 130
+
+
+def _watch(stub, job_id: str, events: queue.Queue) -> None:
+    try:
+        for event in stub.WatchJob(coordinator_pb2.WatchJobRequest(job_id=job_id)):
+            events.put(event)
+    except grpc.RpcError as e:
+        events.put(e)
+    events.put(None)
+
+
+class Progress:
+    """Renders job events: a progress bar over RL steps, eval scores as lines above it."""
+
+    def __init__(self, job: JobConfig, plain: bool):
+        self.plain = plain or not sys.stderr.isatty()
+        self.bar = tqdm(total=job.num_rollout, desc=job.name, unit="step", disable=self.plain, dynamic_ncols=True)
+        self.postfix: dict[str, str] = {}
+
+    def write(self, line: str) -> None:
+        if self.plain:
+            print(line, flush=True)
+        else:
+            tqdm.write(line)
+
+    def on(self, event: coordinator_pb2.JobEvent) -> None:
+        data = json.loads(event.data_json or "{}")
+        if event.kind == "step":
+            self.postfix["reward"] = f"{data['reward_mean']:.3f}"
+            if self.plain:
+                self.write(
+                    f"step {event.step}/{self.bar.total}: reward {data['reward_mean']:.3f} "
+                    f"len {data['response_len_mean']:.1f} ({data['generate_s'] + data['train_s'] + data['sync_s']:.2f}s)"
+                )
+            self.bar.set_postfix(self.postfix, refresh=False)
+            self.bar.update(event.step - self.bar.n)
+        elif event.kind == "eval":
+            self.postfix[data["dataset"]] = f"{data['score']:.3f}"
+            self.write(f"eval @ step {event.step}: {data['dataset']} = {data['score']:.3f} ({data['num_prompts']} prompts)")
+        elif event.kind == "sft" and event.step % 20 == 0:
+            self.write(f"sft step {event.step}: loss {data.get('loss', float('nan')):.4f}")
+        elif event.kind == "log":
+            self.write(data.get("message", ""))
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def run_local(job: JobConfig, job_path: Path, args: argparse.Namespace) -> int:
+    started = time.time()
+    output_dir = Path(args.output_dir or job.output_dir or Path("runs") / f"{job.name}-{time.strftime('%Y%m%d-%H%M%S')}")
+    output_dir = output_dir.resolve()
+    config = to_dict(job)
+    config["output_dir"] = str(output_dir)
+    fleet = LocalFleet(output_dir / "logs")
+    progress = None
+    print(f"rlfleet: job {job.name!r} -> {output_dir}", flush=True)
+    try:
+        trainers = [fleet.start("trainer", f"trainer-{i}", []) for i in range(job.trainer.num_trainers)]
+        engines = [fleet.start("rollout", f"rollout-{i}", []) for i in range(job.rollout.num_engines)]
+        fleet.wait_ready()
+        fleet.start(
+            "coordinator", "coordinator",
+            ["--trainers", ",".join(c.address for c in trainers), "--rollouts", ",".join(c.address for c in engines),
+             "--runs-dir", str(output_dir.parent)],
+        )
+        fleet.wait_ready()
+        coordinator = fleet.children[-1]
+        print(
+            f"rlfleet: {len(trainers)} trainer(s), {len(engines)} engine(s), coordinator at {coordinator.address}; "
+            f"logs in {output_dir / 'logs'}",
+            flush=True,
+        )
+        with contextlib.closing(rpc.open_channel(coordinator.address)) as channel:
+            stub = coordinator_pb2_grpc.CoordinatorStub(channel)
+            created = stub.CreateJob(
+                coordinator_pb2.CreateJobRequest(
+                    config_yaml=yaml.safe_dump(config, sort_keys=False), base_dir=str(job_path.parent.resolve())
+                ),
+                timeout=60,
+            )
+            events: queue.Queue = queue.Queue()
+            threading.Thread(target=_watch, args=(stub, created.id, events), daemon=True).start()
+            progress = Progress(job, args.no_progress)
+            while True:
+                fleet.check()
+                try:
+                    event = events.get(timeout=0.5)
+                except queue.Empty:
+                    continue
+                if event is None:
+                    break
+                if isinstance(event, grpc.RpcError):
+                    time.sleep(1.0)
+                    fleet.check()
+                    raise ChildFailed(f"lost the coordinator's event stream: {event.details()}")
+                progress.on(event)
+            progress.close()
+            final = stub.GetJob(coordinator_pb2.GetJobRequest(job_id=created.id), timeout=30)
+        if final.state != coordinator_pb2.JOB_STATE_SUCCEEDED:
+            fleet.check()  # a dead worker is the better explanation of a failed job
+            print(f"rlfleet: job {final.id} {coordinator_pb2.JobState.Name(final.state)}: {final.error}", file=sys.stderr)
+            return EXIT_FAILED
+        summary = json.loads(final.summary_json)
+        summary["wall_s"] = time.time() - started
+        _print_summary(summary)
+        if args.summary:
+            Path(args.summary).write_text(json.dumps(summary, indent=2))
+        return EXIT_OK
+    except KeyboardInterrupt:
+        print("\nrlfleet: interrupted; stopping services", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except ChildFailed as e:
+        print(f"\nrlfleet: a service process failed, stopping the others:\n{e}", file=sys.stderr)
+        return EXIT_CHILD
+    finally:
+        if progress is not None:
+            progress.close()
+        fleet.stop()
+
+
+def _print_summary(summary: dict) -> None:
+    print("\n== summary ==")
+    print(f"job            {summary['name']}")
+    print(f"steps          {summary['steps']}")
+    for name, before in summary["evals_before"].items():
+        after = summary["evals_after"][name]
+        print(f"eval {name:<10}{before:.3f} -> {after:.3f} ({after - before:+.3f})")
+    print(f"wall time      {summary['wall_s']:.1f}s")
+    print(f"outputs        {summary['output_dir']}")
+    print(f"reward curve   {summary['plot']}")

@@ -1,0 +1,192 @@
+"""gRPC servicer of `rlfleet.v1.Trainer`: translates protobuf to the torch backend and back.
+
+All work on the model is serialised by one lock: the coordinator drives a trainer rank with one
+call at a time, and a weight pull must never observe a half-applied optimizer step.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import grpc
+
+from services import rpc
+from services.api import trainer_pb2, trainer_pb2_grpc, weights_pb2
+from services.trainer.batch import Sample
+from services.trainer.settings import LossSettings, OptimizerSettings, SchedulerSettings, TrainerSettings
+from services.trainer.torch_backend import TorchTrainer, TrainerStateError
+from services.trainer.weight_source import WeightSource
+from services.weights.grpc_stream import DEFAULT_CHUNK_BYTES, iter_chunks
+from services.weights.manifest import manifest_to_proto
+
+SERVICE_NAME = "rlfleet.v1.Trainer"
+_ERRORS = {
+    ValueError: grpc.StatusCode.INVALID_ARGUMENT,
+    TrainerStateError: grpc.StatusCode.FAILED_PRECONDITION,
+    FileNotFoundError: grpc.StatusCode.NOT_FOUND,
+}
+log = rpc.get_logger("trainer")
+
+
+def settings_from_proto(cfg: trainer_pb2.TrainerConfig) -> TrainerSettings:
+    defaults = TrainerSettings(model_path="-")
+    opt, sched, loss = cfg.optimizer, cfg.scheduler, cfg.loss
+    return TrainerSettings(
+        model_path=cfg.model_path,
+        backend=cfg.backend or defaults.backend,
+        device=cfg.device or defaults.device,
+        dtype=cfg.dtype or defaults.dtype,
+        seed=cfg.seed,
+        optimizer=OptimizerSettings(
+            lr=opt.lr or defaults.optimizer.lr,
+            weight_decay=opt.weight_decay,
+            beta1=opt.beta1 or defaults.optimizer.beta1,
+            beta2=opt.beta2 or defaults.optimizer.beta2,
+            eps=opt.eps or defaults.optimizer.eps,
+            grad_clip=opt.grad_clip,
+        ),
+        scheduler=SchedulerSettings(
+            kind=sched.kind or defaults.scheduler.kind,
+            warmup_steps=sched.warmup_steps,
+            decay_steps=sched.decay_steps,
+            min_lr_ratio=sched.min_lr_ratio,
+        ),
+        loss=LossSettings(
+            clip_eps_low=loss.clip_eps_low if loss.HasField("clip_eps_low") else defaults.loss.clip_eps_low,
+            clip_eps_high=loss.clip_eps_high if loss.HasField("clip_eps_high") else defaults.loss.clip_eps_high,
+            kl_coef=loss.kl_coef,
+            kl_estimator=loss.kl_estimator or defaults.loss.kl_estimator,
+            entropy_coef=loss.entropy_coef,
+            loss_agg=loss.loss_agg or defaults.loss.loss_agg,
+        ),
+        tags=tuple(cfg.tags),
+        eval_only=cfg.eval_only,
+        offload=cfg.offload,
+        colocate=cfg.colocate,
+        micro_batch_size=cfg.micro_batch_size or defaults.micro_batch_size,
+        bucket_bytes=cfg.bucket_bytes or defaults.bucket_bytes,
+        master_weights=cfg.master_weights,
+    )
+
+
+def samples_from_proto(batch: trainer_pb2.Batch) -> list[Sample]:
+    samples = []
+    for s in batch.samples:
+        advantages = list(s.advantages) or [s.advantage] * len(s.response_ids)
+        samples.append(
+            Sample(
+                prompt_ids=list(s.prompt_ids),
+                response_ids=list(s.response_ids),
+                loss_mask=list(s.loss_mask),
+                advantages=advantages,
+                old_logprobs=list(s.old_logprobs),
+                ref_logprobs=list(s.ref_logprobs),
+            )
+        )
+    return samples
+
+
+class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._trainer: TorchTrainer | None = None
+        self._source: WeightSource | None = None
+
+    def _require(self, context) -> TorchTrainer:
+        if self._trainer is None:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, "trainer is not configured: call Configure first")
+        return self._trainer
+
+    def _status(self) -> trainer_pb2.TrainerStatus:
+        t = self._trainer
+        if t is None:
+            return trainer_pb2.TrainerStatus(configured=False)
+        return trainer_pb2.TrainerStatus(
+            lifecycle=trainer_pb2.LifecycleStatus(asleep=False, active_tag="actor", weights_version=t.weights_version),
+            has_optimizer=t.optimizer is not None,
+            has_scheduler=t.scheduler is not None,
+            configured=True,
+            step=t.step,
+            num_parameters=t.num_parameters,
+        )
+
+    def Configure(self, request, context):
+        with self._lock, rpc.abort_on(context, _ERRORS):
+            settings = settings_from_proto(request.config)
+            self._trainer = TorchTrainer(settings)
+            self._source = WeightSource(settings.bucket_bytes)
+            log.info(
+                "configured: %s (%d parameters, %s, eval_only=%s)",
+                settings.model_path, self._trainer.num_parameters, settings.device, settings.eval_only,
+            )
+            return trainer_pb2.ConfigureTrainerResponse(status=self._status())
+
+    def GetStatus(self, request, context):
+        with self._lock:
+            return self._status()
+
+    def ComputeLogProbs(self, request, context):
+        with self._lock, rpc.abort_on(context, _ERRORS):
+            trainer = self._require(context)
+            values, entropy = trainer.compute_logprobs(request.tag, samples_from_proto(request.batch))
+            return trainer_pb2.ComputeLogProbsResponse(
+                results=[trainer_pb2.TokenLogProbs(values=v) for v in values], entropy=entropy
+            )
+
+    def TrainStep(self, request, context):
+        with self._lock, rpc.abort_on(context, _ERRORS):
+            trainer = self._require(context)
+            result = trainer.train_step(
+                samples_from_proto(request.batch), sft=request.loss == trainer_pb2.LOSS_KIND_SFT
+            )
+            return trainer_pb2.TrainStepResponse(
+                metrics=result.metrics, weights_version=result.weights_version, step=result.step
+            )
+
+    def GetWeightManifest(self, request, context):
+        with self._lock, rpc.abort_on(context, _ERRORS):
+            trainer = self._require(context)
+            snap = self._source.snapshot(trainer.model, trainer.weights_version, request.fingerprint_algo)
+            return trainer_pb2.GetWeightManifestResponse(manifest=manifest_to_proto(snap.manifest))
+
+    def GetWeights(self, request, context):
+        with self._lock:
+            self._require(context)
+            snap = self._source.current(request.version)
+        if snap is None:
+            context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"version: weights version {request.version} is not available; call GetWeightManifest first",
+            )
+        num_buckets = len(snap.manifest.buckets)
+        bad = [b for b in request.buckets if not 0 <= b < num_buckets]
+        if bad:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"buckets: no bucket {bad[0]} (manifest has {num_buckets})")
+        yield from iter_chunks(
+            snap.manifest,
+            lambda i: snap.buffers[i],
+            list(request.buckets) or None,
+            chunk_bytes=request.chunk_bytes or DEFAULT_CHUNK_BYTES,
+        )
+
+    def SaveCheckpoint(self, request, context):
+        from services.models import save_hf_dir
+
+        with self._lock, rpc.abort_on(context, _ERRORS):
+            trainer = self._require(context)
+            if not request.path:
+                raise ValueError("path: required")
+            save_hf_dir(trainer.model, trainer.model_config, request.path)
+            return trainer_pb2.SaveCheckpointResponse(path=request.path, step=trainer.step)
+
+
+def build_server(address: str = "127.0.0.1:0", token: str | None = None) -> rpc.Server:
+    servicer = TrainerServicer()
+    server = rpc.create_server(
+        lambda s: trainer_pb2_grpc.add_TrainerServicer_to_server(servicer, s),
+        (SERVICE_NAME,),
+        address=address,
+        token=token,
+    )
+    server.set_serving(True)
+    return server

@@ -1,0 +1,82 @@
+"""The trainer's own configuration: what one trainer rank needs to build its model and optimizer.
+
+The coordinator sends it as `rlfleet.v1.TrainerConfig`; the servicer turns that into this frozen
+dataclass, and only the trainer reads it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+KL_ESTIMATORS = ("k1", "k2", "k3", "low_var_kl")
+LOSS_AGGREGATIONS = ("token_mean", "seq_mean_token_sum", "seq_mean_token_mean")
+SCHEDULER_KINDS = ("constant", "linear", "cosine")
+TAGS = ("ref", "old_actor", "teacher")
+
+
+@dataclass(frozen=True, kw_only=True)
+class OptimizerSettings:
+    lr: float = 1e-5
+    weight_decay: float = 0.0
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-8
+    grad_clip: float = 1.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class SchedulerSettings:
+    kind: str = "constant"
+    warmup_steps: int = 0
+    decay_steps: int = 0
+    min_lr_ratio: float = 0.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class LossSettings:
+    clip_eps_low: float = 0.2
+    clip_eps_high: float = 0.2
+    kl_coef: float = 0.0
+    kl_estimator: str = "low_var_kl"
+    entropy_coef: float = 0.0
+    loss_agg: str = "token_mean"
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainerSettings:
+    model_path: str
+    backend: str = "torch"
+    device: str = "cpu"
+    dtype: str = "float32"
+    seed: int = 0
+    optimizer: OptimizerSettings = field(default_factory=OptimizerSettings)
+    scheduler: SchedulerSettings = field(default_factory=SchedulerSettings)
+    loss: LossSettings = field(default_factory=LossSettings)
+    tags: tuple[str, ...] = ()
+    eval_only: bool = False
+    offload: bool = False
+    colocate: bool = False
+    micro_batch_size: int = 64
+    bucket_bytes: int = 512 * 1024 * 1024
+    master_weights: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.model_path:
+            raise ValueError("model_path: required")
+        if self.backend != "torch":
+            raise ValueError(f"backend: unknown backend {self.backend!r} (available: 'torch')")
+        for tag in self.tags:
+            if tag not in TAGS:
+                raise ValueError(f"tags: unknown tag {tag!r} (expected one of {', '.join(TAGS)})")
+        if self.loss.kl_estimator not in KL_ESTIMATORS:
+            raise ValueError(f"loss.kl_estimator: unknown {self.loss.kl_estimator!r}")
+        if self.loss.loss_agg not in LOSS_AGGREGATIONS:
+            raise ValueError(f"loss.loss_agg: unknown {self.loss.loss_agg!r}")
+        if self.scheduler.kind not in SCHEDULER_KINDS:
+            raise ValueError(f"scheduler.kind: unknown {self.scheduler.kind!r}")
+        if self.micro_batch_size < 1:
+            raise ValueError("micro_batch_size: must be >= 1")
+        if self.bucket_bytes < 1024:
+            raise ValueError("bucket_bytes: must be >= 1024")
+        if self.master_weights not in ("", "fp32"):
+            raise ValueError(f"master_weights: expected '' or 'fp32', got {self.master_weights!r}")

@@ -1,0 +1,75 @@
+"""Swap received weights into a model: the last step of every data plane.
+
+Callers verify first (fingerprints, `validate_against`); `load_buckets_into` then re-checks
+that every tensor it is about to write has a target of the same dtype and shape, *before* the
+first copy, so a bad update leaves the model untouched rather than half-written.
+`named_weights` is the single definition of "what a checkpoint holds" that both the sender's
+bucket plan and the receiver's target dict are built from.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping, Sequence
+
+import torch
+
+from services.weights.buckets import Manifest, parse_dtype, unpack_bucket
+from services.weights.errors import ManifestMismatch
+
+__all__ = ["load_buckets_into", "named_weights"]
+
+
+def named_weights(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """Parameters and persistent buffers, in `state_dict` order, each tensor once.
+
+    Tied parameters (and modules registered under two names) keep their first name, as
+    `named_parameters()` does; non-persistent buffers are left out, as a checkpoint leaves them.
+    """
+    seen: set[int] = set()
+    named: list[tuple[str, torch.Tensor]] = []
+    for name, tensor in module.state_dict(keep_vars=True).items():
+        if not isinstance(tensor, torch.Tensor) or id(tensor) in seen:
+            continue  # extra state objects; second names of tied weights
+        seen.add(id(tensor))
+        named.append((name, tensor))
+    return named
+
+
+def load_buckets_into(
+    model_params: Mapping[str, torch.Tensor],
+    manifest: Manifest,
+    buffers: Sequence[torch.Tensor],
+) -> int:
+    """Copy every tensor of the verified `buffers` (one flat uint8 per bucket) into the
+    same-named entry of `model_params`; returns the bytes copied.
+
+    Tensors of the model that the manifest does not name are left alone: whether the manifest
+    must cover the whole model is `validate_against`'s decision.
+    """
+    if len(buffers) != len(manifest.buckets):
+        raise ManifestMismatch(f"{len(manifest.buckets)} buckets but {len(buffers)} buffers")
+    views: list[tuple[torch.Tensor, torch.Tensor]] = []  # (target, source view)
+    for bucket, flat in zip(manifest.buckets, buffers):
+        dtype = parse_dtype(bucket.dtype)
+        for ts in bucket.tensors:
+            where = f"tensor {ts.name!r} (bucket {bucket.index})"
+            target = model_params.get(ts.name)
+            if target is None:
+                raise ManifestMismatch(f"{where} is not in the model")
+            if target.dtype != dtype or tuple(target.shape) != ts.shape:
+                held = f"{str(target.dtype).removeprefix('torch.')}{list(target.shape)}"
+                raise ManifestMismatch(
+                    f"{where} is {bucket.dtype}{list(ts.shape)}, the model holds {held}"
+                )
+        try:
+            unpacked = unpack_bucket(bucket, flat)
+        except ValueError as e:
+            raise ManifestMismatch(str(e)) from e
+        views.extend((model_params[ts.name], unpacked[ts.name]) for ts in bucket.tensors)
+
+    num_bytes = 0
+    with torch.no_grad():
+        for target, source in views:
+            target.copy_(source)
+            num_bytes += source.numel() * source.element_size()
+    return num_bytes

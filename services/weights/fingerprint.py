@@ -1,0 +1,114 @@
+"""Bucket fingerprints: a cheap on-device checksum ("fast") and an exact digest ("sha256").
+
+Engines verify every bucket before a new weight version becomes visible, so the check runs on
+each sync and must cost little next to the transfer itself. "fast" runs where the bucket lives
+(GPU or CPU) with plain integer tensor ops and moves only two scalars to the host.
+
+"fast" reads the bytes as little-endian int32 words x, zero-padded to whole rows of
+`_ROW_WORDS`, and computes, with wrap-around int64 arithmetic,
+
+    s0 = sum_i x_i
+    s1 = sum_k v_k * sum_j w_j * x[k, j]      w_j = C1 + S1*j,  v_k = C2 + S2*k
+
+(k the row, j the column; C odd, S twice an odd number). Every w_j and v_k is odd, so changing
+one word by d != 0 moves s1 by an odd multiple of d, which is never 0 mod 2^64; swapping two
+different words in one row or in one column moves it by d * odd * S * distance, which has
+fewer than 64 factors of two in any bucket under 16 TiB, so those swaps are always caught;
+other swaps and multi-word damage are caught unless they cancel mod 2^64. Modular sums do not
+depend on reduction order, so CPU and GPU agree bit for bit. The byte length is part of the
+result, so zero padding cannot collide with real zero bytes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+
+__all__ = ["FINGERPRINT_ALGOS", "fingerprint", "fingerprint_algo"]
+
+FINGERPRINT_ALGOS = ("fast", "sha256")
+
+_ROW_WORDS = 1024  # part of the "fast" definition: changing it changes every fingerprint
+_MASK64 = (1 << 64) - 1
+
+
+def _signed64(value: int) -> int:
+    value &= _MASK64
+    return value - (1 << 64) if value >> 63 else value
+
+
+# Odd offsets C and slopes S = 2 * odd, from splitmix64's constants (any such choice works).
+_C1 = _signed64(0x9E3779B97F4A7C15)
+_S1 = _signed64(0xBF58476D1CE4E5B9 << 1)
+_C2 = _signed64(0xD6E8FEB86659FD93)
+_S2 = _signed64(0x94D049BB133111EB << 1)
+
+# Rows per step: small on CPU so the int64 scratch stays in cache, large on GPU to keep the
+# number of kernel launches low. The result does not depend on it.
+_CPU_ROWS_PER_STEP = 64
+_GPU_ROWS_PER_STEP = 16384
+
+
+def fingerprint(flat: torch.Tensor, algo: str = "fast") -> str:
+    """Fingerprint of a flat uint8 tensor as "<algo>:<hex>"."""
+    if flat.dtype != torch.uint8 or flat.dim() != 1:
+        raise ValueError(
+            f"fingerprint needs a 1-D uint8 tensor, got {flat.dtype} with shape {list(flat.shape)}"
+        )
+    if algo == "fast":
+        return "fast:" + _fast(flat)
+    if algo == "sha256":
+        # Exact, host-side, for tests and debugging: copies the bytes to the host.
+        data = flat.detach().contiguous().cpu().numpy()
+        return "sha256:" + hashlib.sha256(memoryview(data)).hexdigest()
+    raise ValueError(f"unknown fingerprint algo {algo!r} (known: {', '.join(FINGERPRINT_ALGOS)})")
+
+
+def fingerprint_algo(value: str) -> str:
+    """The algo named by a "<algo>:<hex>" fingerprint; ValueError if malformed or unknown."""
+    algo, sep, digest = value.partition(":")
+    if not sep or not digest or algo not in FINGERPRINT_ALGOS:
+        raise ValueError(f"malformed fingerprint {value!r}: expected '<algo>:<hex>'")
+    return algo
+
+
+def _fast(flat: torch.Tensor) -> str:
+    flat = flat.detach()
+    if not flat.is_contiguous() or flat.storage_offset() % 4:
+        flat = flat.clone()  # int32 views need 4-byte alignment; rare, costs one copy
+    num_bytes = flat.numel()
+    row_bytes = 4 * _ROW_WORDS
+    num_full_rows = num_bytes // row_bytes
+    device = flat.device
+
+    rows = flat[: num_full_rows * row_bytes].view(torch.int32).view(num_full_rows, _ROW_WORDS)
+    tail_bytes = num_bytes - num_full_rows * row_bytes
+    if tail_bytes:
+        tail = torch.zeros(row_bytes, dtype=torch.uint8, device=device)
+        tail[:tail_bytes].copy_(flat[num_full_rows * row_bytes :])
+        tail_row = tail.view(torch.int32).view(1, _ROW_WORDS)
+    num_rows = num_full_rows + (1 if tail_bytes else 0)
+
+    col_weights = torch.arange(_ROW_WORDS, dtype=torch.int64, device=device) * _S1 + _C1  # [W]
+    row_sums = torch.empty(num_rows, dtype=torch.int64, device=device)  # [R] sum_j w_j x[k, j]
+    s0 = torch.zeros((), dtype=torch.int64, device=device)
+    step = _GPU_ROWS_PER_STEP if device.type != "cpu" else _CPU_ROWS_PER_STEP
+    scratch = torch.empty(min(step, max(num_rows, 1)), _ROW_WORDS, dtype=torch.int64, device=device)
+    for start in range(0, num_rows, step):
+        stop = min(start + step, num_rows)
+        block = rows[start:stop] if stop <= num_full_rows else _with_tail(rows[start:], tail_row)
+        words = scratch[: stop - start]  # [r, W] int64
+        words.copy_(block)
+        s0 += words.sum()
+        words.mul_(col_weights)
+        torch.sum(words, dim=1, out=row_sums[start:stop])
+    row_weights = torch.arange(num_rows, dtype=torch.int64, device=device) * _S2 + _C2  # [R]
+    s1 = (row_sums * row_weights).sum()
+    sums = torch.stack([s0, s1]).tolist()  # one device->host sync for both scalars
+    return f"{num_bytes:016x}{sums[0] & _MASK64:016x}{sums[1] & _MASK64:016x}"
+
+
+def _with_tail(full_rows: torch.Tensor, tail_row: torch.Tensor) -> torch.Tensor:
+    # Only the last step sees the tail: a copy of at most one step of rows.
+    return torch.cat([full_rows, tail_row])

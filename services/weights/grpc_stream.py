@@ -1,0 +1,195 @@
+"""The grpc_stream data plane: buckets as a server stream of `WeightChunk {bucket, offset, data}`.
+
+This is the fallback plane, used when trainer and engine share neither a GPU, a host, nor a
+collective group: the engine pulls `GetWeights` from the trainer. The sender slices host
+buckets into chunks (one copy, into the protobuf bytes); the receiver copies each chunk into a
+preallocated flat buffer per bucket (one copy), rejects chunks that do not fit, and hands the
+buffers out only when every byte arrived and every bucket matches its fingerprint. Chunks may
+arrive in any order. Servers and channels live elsewhere; this module only makes and consumes
+the messages.
+"""
+
+from __future__ import annotations
+
+import bisect
+from typing import Callable, Iterable, Iterator, Optional, Sequence
+
+import grpc
+import numpy as np
+import torch
+
+from services.api import weights_pb2
+from services.weights.buckets import Manifest
+from services.weights.errors import (
+    FingerprintMismatch,
+    IncompleteTransfer,
+    InvalidChunk,
+    WeightSyncError,
+)
+from services.weights.fingerprint import FINGERPRINT_ALGOS, fingerprint
+
+__all__ = ["DEFAULT_CHUNK_BYTES", "iter_chunks", "StreamReceiver", "receive"]
+
+# gRPC refuses received messages over 4 MiB unless the channel raises
+# `grpc.max_receive_message_length`, so a 4 MiB chunk plus its header would fail on a default
+# channel. On loopback 1-2 MiB chunks also streamed faster than ~4 MiB ones.
+DEFAULT_CHUNK_BYTES = 2 << 20
+
+
+def iter_chunks(
+    manifest: Manifest,
+    bucket_source: Callable[[int], torch.Tensor],
+    buckets: Optional[Sequence[int]] = None,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+) -> Iterator[weights_pb2.WeightChunk]:
+    """Yield the chunks of `buckets` (default: all, in order). `bucket_source(i)` returns bucket
+    i as a flat uint8 CPU tensor; it is called lazily, once per bucket, just before that
+    bucket's first chunk, so a source staging from the GPU needs only one bucket on the host."""
+    if chunk_bytes <= 0:
+        raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
+    indices = list(range(len(manifest.buckets)) if buckets is None else buckets)
+    for index in indices:
+        if not 0 <= index < len(manifest.buckets):
+            raise ValueError(
+                f"bucket {index} is not in the manifest ({len(manifest.buckets)} buckets)"
+            )
+    for index in indices:
+        nbytes = manifest.buckets[index].nbytes
+        flat = bucket_source(index)
+        if flat.dtype != torch.uint8 or flat.dim() != 1 or flat.device.type != "cpu":
+            raise ValueError(
+                f"bucket_source({index}) must return a 1-D uint8 CPU tensor, "
+                f"got {flat.dtype} {list(flat.shape)} on {flat.device}"
+            )
+        if flat.numel() < nbytes:
+            raise ValueError(
+                f"bucket_source({index}) returned {flat.numel()} bytes, the manifest says {nbytes}"
+            )
+        data = flat.detach().contiguous().numpy()  # [>= nbytes] uint8, shares memory
+        for offset in range(0, nbytes, chunk_bytes):
+            end = min(offset + chunk_bytes, nbytes)
+            yield weights_pb2.WeightChunk(
+                bucket=index, offset=offset, data=data[offset:end].tobytes()
+            )
+
+
+class _Ranges:
+    """Disjoint received byte ranges of one bucket, merged as they touch."""
+
+    def __init__(self) -> None:
+        self.starts: list[int] = []
+        self.ends: list[int] = []
+        self.num_bytes = 0
+
+    def add(self, start: int, end: int) -> bool:
+        """Record [start, end); False (and nothing recorded) if it overlaps a recorded range."""
+        i = bisect.bisect_right(self.starts, start)
+        if (i > 0 and self.ends[i - 1] > start) or (i < len(self.starts) and self.starts[i] < end):
+            return False
+        joins_left = i > 0 and self.ends[i - 1] == start
+        joins_right = i < len(self.starts) and self.starts[i] == end
+        if joins_left and joins_right:
+            self.ends[i - 1] = self.ends.pop(i)
+            del self.starts[i]
+        elif joins_left:
+            self.ends[i - 1] = end
+        elif joins_right:
+            self.starts[i] = start
+        else:
+            self.starts.insert(i, start)
+            self.ends.insert(i, end)
+        self.num_bytes += end - start
+        return True
+
+    def first_missing(self) -> int:
+        return self.ends[0] if self.starts and self.starts[0] == 0 else 0
+
+
+class StreamReceiver:
+    """Assembles one manifest's buckets from `WeightChunk`s into flat uint8 CPU buffers."""
+
+    def __init__(self, manifest: Manifest) -> None:
+        self.manifest = manifest
+        self._buffers = [torch.empty(b.nbytes, dtype=torch.uint8) for b in manifest.buckets]
+        self._arrays = [buf.numpy() for buf in self._buffers]  # writable views of the buffers
+        self._ranges = [_Ranges() for _ in manifest.buckets]
+        self._finished = False
+
+    @property
+    def received_bytes(self) -> int:
+        return sum(r.num_bytes for r in self._ranges)
+
+    def accept(self, chunk: weights_pb2.WeightChunk) -> None:
+        """Copy one chunk into place; `InvalidChunk` (a ValueError) if it does not fit."""
+        if self._finished:
+            raise InvalidChunk(f"chunk for bucket {chunk.bucket} arrived after finish()")
+        index, offset, size = chunk.bucket, chunk.offset, len(chunk.data)
+        if not 0 <= index < len(self._buffers):
+            raise InvalidChunk(f"chunk names unknown bucket {index} ({len(self._buffers)} buckets)")
+        nbytes = self.manifest.buckets[index].nbytes
+        if offset < 0 or offset + size > nbytes:
+            raise InvalidChunk(
+                f"chunk [{offset}, {offset + size}) of bucket {index} runs past the end "
+                f"of the bucket ({nbytes} bytes)"
+            )
+        if size == 0:
+            return
+        if not self._ranges[index].add(offset, offset + size):
+            raise InvalidChunk(
+                f"chunk [{offset}, {offset + size}) of bucket {index} overlaps bytes already "
+                f"received (duplicate or overlapping chunk)"
+            )
+        self._arrays[index][offset : offset + size] = np.frombuffer(chunk.data, dtype=np.uint8)
+
+    def finish(self, verify_algo: Optional[str] = None) -> list[torch.Tensor]:
+        """Check completeness, then fingerprints, and return one flat buffer per bucket.
+
+        `verify_algo` defaults to the manifest's algo; the manifest must carry fingerprints made
+        with it (a fingerprint can only be checked with the algo that made it).
+        """
+        for bucket, ranges in zip(self.manifest.buckets, self._ranges):
+            if ranges.num_bytes != bucket.nbytes:
+                raise IncompleteTransfer(
+                    f"bucket {bucket.index} is incomplete: received {ranges.num_bytes} of "
+                    f"{bucket.nbytes} bytes (first missing byte at {ranges.first_missing()})"
+                )
+        algo = verify_algo or self.manifest.fingerprint_algo
+        if algo not in FINGERPRINT_ALGOS:
+            known = ", ".join(FINGERPRINT_ALGOS)
+            raise ValueError(f"unknown verify_algo {algo!r} (known: {known})")
+        for bucket, buffer in zip(self.manifest.buckets, self._buffers):
+            if not bucket.fingerprint.startswith(algo + ":"):
+                raise WeightSyncError(
+                    f"bucket {bucket.index} carries fingerprint {bucket.fingerprint!r}, "
+                    f"which cannot be verified with {algo!r}"
+                )
+            actual = fingerprint(buffer, algo)
+            if actual != bucket.fingerprint:
+                raise FingerprintMismatch(
+                    f"bucket {bucket.index} fingerprint mismatch: manifest {bucket.fingerprint}, "
+                    f"received {actual}"
+                )
+        self._finished = True
+        return list(self._buffers)
+
+
+def receive(
+    chunks: Iterable[weights_pb2.WeightChunk],
+    manifest: Manifest,
+    verify_algo: Optional[str] = None,
+) -> list[torch.Tensor]:
+    """Drain `chunks` (e.g. a `GetWeights` response stream) and return verified buffers.
+
+    A gRPC failure mid-stream becomes `WeightSyncError` carrying the status code.
+    """
+    receiver = StreamReceiver(manifest)
+    try:
+        for chunk in chunks:
+            receiver.accept(chunk)
+    except grpc.RpcError as e:
+        code = e.code() if isinstance(e, grpc.Call) else None
+        details = e.details() if isinstance(e, grpc.Call) else str(e)
+        raise WeightSyncError(
+            f"weight stream failed after {receiver.received_bytes} bytes: {code}: {details}"
+        ) from e
+    return receiver.finish(verify_algo)

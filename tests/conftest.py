@@ -1,0 +1,66 @@
+"""Shared fixtures: a tiny Hugging Face-format model made on the fly, and small task data."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+CHARS = "0123456789+-= "
+
+
+def make_tiny_model(directory: Path, *, seed: int = 0, architecture: str = "qwen3") -> Path:
+    import torch
+
+    from services.models import DecoderLM, ModelConfig, init_weights, make_char_tokenizer, save_hf_dir
+
+    tokenizer = make_char_tokenizer(CHARS)
+    config = ModelConfig(
+        architecture=architecture,
+        vocab_size=tokenizer.vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=64,
+        tie_word_embeddings=True,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+    )
+    torch.manual_seed(seed)
+    model = DecoderLM(config)
+    init_weights(model, seed=seed)
+    save_hf_dir(model, config, directory)
+    tokenizer.save(directory)
+    return directory
+
+
+def write_task(directory: Path, num_rows: int, seed: int) -> Path:
+    import random
+
+    rng = random.Random(seed)
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"rows-{seed}.jsonl"
+    with path.open("w") as f:
+        for _ in range(num_rows):
+            a, b = rng.randrange(10), rng.randrange(10)
+            f.write(json.dumps({"prompt": f"{a}+{b}=", "answer": str(a + b)}) + "\n")
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-model"))
+
+
+@pytest.fixture(scope="session")
+def task_files(tmp_path_factory) -> tuple[Path, Path]:
+    directory = tmp_path_factory.mktemp("task")
+    return write_task(directory, 64, seed=1), write_task(directory, 16, seed=2)
