@@ -42,7 +42,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     rpc.configure_logging(args.role, args.log_level)
     log = rpc.get_logger(args.role)
     address = f"{args.host}:{args.port}"
+    if (args.job or args.exit_on_finish) and (args.role != "coordinator" or not args.job):
+        print("rlfleet: --job FILE [--exit-on-finish] is for `serve coordinator`", file=sys.stderr)
+        return EXIT_CONFIG
     token = _read_token(args.token_file)
+    discovery = None  # the coordinator's, closed on the way out
     if args.role == "trainer":
         from services.trainer.server import build_server
 
@@ -52,20 +56,105 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
         server = build_server(address, token)
     else:
-        from services.coordinator.fleet import static_fleet
+        from services.coordinator.discovery import DiscoveryError
         from services.coordinator.jobs import JobManager
         from services.coordinator.server import build_server
 
         worker_token = _read_token(args.worker_token_file, "RLFLEET_WORKER_TOKEN")
-        trainers = [a for a in (args.trainers or "").split(",") if a]
-        rollouts = [a for a in (args.rollouts or "").split(",") if a]
-        manager = JobManager(static_fleet(trainers, rollouts, worker_token), runs_dir=Path(args.runs_dir))
+        try:
+            make_fleet, discovery = _worker_fleet(args, worker_token)
+        except (DiscoveryError, ValueError) as e:
+            log.error("cannot discover workers: %s", e)
+            return EXIT_FAILED
+        manager = JobManager(make_fleet, runs_dir=Path(args.runs_dir))
         server = build_server(manager, address, token)
     log.info("serving on %s:%d%s", args.host, server.port, " (bearer token required)" if token else "")
     _write_ready(args.ready_file, server.port)
-    server.wait_for_termination_or_signal(grace_s=args.grace)
+    if args.role == "coordinator" and args.job:
+        code = _serve_job(manager, server, args, log)
+    else:
+        server.wait_for_termination_or_signal(grace_s=args.grace)
+        log.info("stopped")
+        code = 0
+    if discovery is not None:
+        discovery.close()
+    return code
+
+
+# ---- coordinator: worker discovery (--discovery) ------------------------------------------------
+def _worker_fleet(args: argparse.Namespace, token: str | None):
+    """The JobManager's fleet factory, and the discovery behind it (None for static lists)."""
+    if args.discovery == "static":
+        from services.coordinator.fleet import static_fleet
+
+        trainers = [a for a in (args.trainers or "").split(",") if a]
+        rollouts = [a for a in (args.rollouts or "").split(",") if a]
+        return static_fleet(trainers, rollouts, token), None
+    from services.coordinator.discovery import make_fleet
+
+    try:
+        from services.coordinator import k8s_discovery as k8s
+    except ImportError as e:
+        raise ValueError(f"--discovery kubernetes needs the kubernetes client (pip install 'rlfleet[k8s]'): {e}") from e
+    cfg = k8s.KubernetesDiscoveryConfig(
+        namespace=args.namespace or k8s.default_namespace(), instance=args.instance, port=args.worker_port
+    )
+    discovery = k8s.KubernetesDiscovery(cfg).start()
+    fleet = make_fleet(
+        discovery, token, wait_s=args.discovery_wait_s, eval_trainers=args.eval_trainers, describe=repr(discovery)
+    )
+    return fleet, discovery
+
+
+# ---- coordinator: one job, then exit (--job FILE --exit-on-finish), e.g. a Kubernetes Job ----------
+def _serve_job(manager, server, args: argparse.Namespace, log) -> int:
+    """Run --job while serving; with --exit-on-finish stop when it ends and exit with its result."""
+    import signal
+
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    code = run_job_file(manager, Path(args.job), stop, log)
+    if not args.exit_on_finish:
+        while not stop.wait(0.5):
+            pass
+    server.stop(args.grace)
     log.info("stopped")
-    return 0
+    return code
+
+
+def run_job_file(manager, job_path: Path, stop: threading.Event, log) -> int:
+    """Submit a job file to `manager`, follow it to the end, print its result as JSON on stdout.
+
+    Returns 0 when the job succeeded, 1 when it failed or was cancelled (`stop` set, e.g. by
+    SIGTERM at a Job's activeDeadlineSeconds, cancels it), 2 when the file is not a valid job.
+    """
+    from services.coordinator.config import ConfigError
+
+    try:
+        record = manager.create(job_path.read_text(), str(job_path.absolute().parent))
+    except (ConfigError, OSError) as e:
+        log.error("invalid job %s: %s", job_path, e)
+        print(json.dumps({"job": str(job_path), "state": "invalid", "error": str(e)}), flush=True)
+        return EXIT_CONFIG
+    log.info("job %s (%s) started from %s", record.id, record.name, job_path)
+    seen = 0
+    for event in manager.watch(record.id, stop=stop):
+        seen = event.seq
+        if event.kind in ("state", "eval", "log"):
+            log.info("job %s: %s %s step %d %s", record.id, event.kind, event.state, event.step, event.data or "")
+    if stop.is_set() and manager.get(record.id).state not in ("succeeded", "failed", "cancelled"):
+        log.warning("job %s: stopping, cancelling it", record.id)
+        manager.cancel(record.id)
+        for _ in manager.watch(record.id, after_seq=seen):
+            pass
+    final = manager.get(record.id)
+    result = {"job_id": final.id, "name": final.name, "state": final.state, "error": final.error,
+              "output_dir": str(final.output_dir), "summary": final.summary}
+    print(json.dumps(result, default=str), flush=True)
+    (log.info if final.state == "succeeded" else log.error)("job %s %s%s", final.id, final.state,
+                                                            f": {final.error}" if final.error else "")
+    return EXIT_OK if final.state == "succeeded" else EXIT_FAILED
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -74,7 +163,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     try:
         job = load_job(Path(args.job))
     except (ConfigError, FileNotFoundError) as e:
-        print(f"rlfleet: invalid job {args.job}: {e}", file=sys.stderr)
+        print(f"rlfleet: invalid job: {e}", file=sys.stderr)
         return EXIT_CONFIG
     from services.runner import run_local
 
@@ -97,6 +186,18 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--rollouts", help="coordinator: comma-separated rollout engine addresses")
     serve.add_argument("--worker-token-file", help="coordinator: token for trainers and engines")
     serve.add_argument("--runs-dir", default="runs", help="coordinator: where job outputs go by default")
+    serve.add_argument("--discovery", choices=["static", "kubernetes"], default="static",
+                       help="coordinator: workers from --trainers/--rollouts, or the ready pods of --instance")
+    serve.add_argument("--namespace", help="coordinator: namespace of the worker pods (default: the pod's own)")
+    serve.add_argument("--instance", default="rlfleet", help="coordinator: app.kubernetes.io/instance of the workers")
+    serve.add_argument("--worker-port", type=int, default=50051, help="coordinator: gRPC port of discovered pods")
+    serve.add_argument("--discovery-wait-s", type=float, default=600.0,
+                       help="coordinator: how long a job waits for enough ready workers")
+    serve.add_argument("--eval-trainers", type=int, default=0,
+                       help="coordinator: trainers an eval-only job waits for (0: engines load the checkpoint)")
+    serve.add_argument("--job", help="coordinator: run this job file at start")
+    serve.add_argument("--exit-on-finish", action="store_true",
+                       help="coordinator: with --job, exit when it ends: 0 succeeded, 1 failed, 2 invalid job")
     serve.set_defaults(func=cmd_serve)
 
     run = sub.add_parser("run", help="run a job on this machine with local service processes")

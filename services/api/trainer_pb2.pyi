@@ -212,14 +212,16 @@ class ComputeLogProbsResponse(_message.Message):
     def __init__(self, results: _Optional[_Iterable[_Union[TokenLogProbs, _Mapping]]] = ..., entropy: _Optional[float] = ...) -> None: ...
 
 class TrainStepRequest(_message.Message):
-    __slots__ = ("batch", "loss", "request_id")
+    __slots__ = ("batch", "loss", "request_id", "lr")
     BATCH_FIELD_NUMBER: _ClassVar[int]
     LOSS_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    LR_FIELD_NUMBER: _ClassVar[int]
     batch: Batch
     loss: LossKind
     request_id: str
-    def __init__(self, batch: _Optional[_Union[Batch, _Mapping]] = ..., loss: _Optional[_Union[LossKind, str]] = ..., request_id: _Optional[str] = ...) -> None: ...
+    lr: float
+    def __init__(self, batch: _Optional[_Union[Batch, _Mapping]] = ..., loss: _Optional[_Union[LossKind, str]] = ..., request_id: _Optional[str] = ..., lr: _Optional[float] = ...) -> None: ...
 
 class TrainStepResponse(_message.Message):
     __slots__ = ("metrics", "weights_version", "step")

@@ -74,10 +74,13 @@ class TrainerClient(_Client):
             )
         return [list(r.values) for r in reply.results]
 
-    def train_step(self, batch: trainer_pb2.Batch, *, sft: bool = False) -> tuple[dict[str, float], int]:
+    def train_step(
+        self, batch: trainer_pb2.Batch, *, sft: bool = False, lr: float = 0.0
+    ) -> tuple[dict[str, float], int]:
         loss = trainer_pb2.LOSS_KIND_SFT if sft else trainer_pb2.LOSS_KIND_POLICY
+        request = trainer_pb2.TrainStepRequest(batch=batch, loss=loss, lr=lr)
         with self._call("TrainStep"):
-            reply = self._stub.TrainStep(trainer_pb2.TrainStepRequest(batch=batch, loss=loss), timeout=self.deadline_s)
+            reply = self._stub.TrainStep(request, timeout=self.deadline_s)
         return dict(reply.metrics), reply.weights_version
 
     def weight_manifest(self, fingerprint_algo: str = "") -> weights_pb2.WeightManifest:

@@ -294,7 +294,7 @@ class RLLoop:
                     for e in rows
                 ]
             )
-            metrics, _ = self.fleet.trainers[0].train_step(batch, sft=True)
+            metrics, _ = self.fleet.trainers[0].train_step(batch, sft=True, lr=sft.lr)
             self.emit("sft", i + 1, metrics)
         self.sync_weights(step=0)
 

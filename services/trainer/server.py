@@ -137,7 +137,9 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         with self._lock, rpc.abort_on(context, _ERRORS):
             trainer = self._require(context)
             result = trainer.train_step(
-                samples_from_proto(request.batch), sft=request.loss == trainer_pb2.LOSS_KIND_SFT
+                samples_from_proto(request.batch),
+                sft=request.loss == trainer_pb2.LOSS_KIND_SFT,
+                lr=request.lr if request.lr > 0 else None,
             )
             return trainer_pb2.TrainStepResponse(
                 metrics=result.metrics, weights_version=result.weights_version, step=result.step

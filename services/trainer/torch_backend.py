@@ -119,7 +119,9 @@ class TorchTrainer:
             token_count += float(batch.response_mask.sum())
         return results, entropy_sum / max(token_count, 1.0)
 
-    def train_step(self, samples: list[Sample], *, sft: bool = False) -> StepResult:
+    def train_step(self, samples: list[Sample], *, sft: bool = False, lr: float | None = None) -> StepResult:
+        """One optimizer step over the whole batch. With `lr`, that learning rate is used for this
+        step only and the schedule does not advance (warm-up stages such as SFT before RL)."""
         if self.optimizer is None:
             raise TrainerStateError("TrainStep: this trainer was configured eval_only and has no optimizer")
         started = time.perf_counter()
@@ -143,9 +145,17 @@ class TorchTrainer:
             self.model.parameters(), clip if clip > 0 else float("inf")
         )
         sums["grad_norm"] = float(grad_norm)
+        scheduled = [group["lr"] for group in self.optimizer.param_groups]
+        if lr is not None:
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
         sums["lr"] = self.optimizer.param_groups[0]["lr"]
         self.optimizer.step()
-        self.scheduler.step()
+        if lr is None:
+            self.scheduler.step()
+        else:
+            for group, value in zip(self.optimizer.param_groups, scheduled):
+                group["lr"] = value
         self.step += 1
         self.weights_version += 1
         sums["train_step_s"] = time.perf_counter() - started

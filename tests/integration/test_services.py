@@ -172,3 +172,38 @@ def test_one_full_rl_step_through_the_coordinator(fleet, tiny_model_dir, task_fi
     assert summary["steps"] == 1 and 0.0 <= summary["eval_after"] <= 1.0
     assert (tmp_path / "out" / "metrics.jsonl").read_text().count("\n") == 1
     assert (tmp_path / "out" / "reward_curve.png").read_bytes().startswith(b"\x89PNG")
+
+
+def test_sft_warm_up_stage_lowers_the_loss_before_rl(fleet, tiny_model_dir, task_files, tmp_path):
+    train, test = task_files
+    job = textwrap.dedent(
+        f"""
+        name: sft-then-rl
+        model: {tiny_model_dir}
+        num_rollout: 1
+        output_dir: {tmp_path / 'out'}
+        rollout: {{prompts_per_step: 4, samples_per_prompt: 2, sampling: {{max_new_tokens: 3}}}}
+        data: {{train: {train}}}
+        eval: {{datasets: [{{name: heldout, path: {test}, limit: 4, sampling: {{max_new_tokens: 3}}}}]}}
+        sft: {{data: {train}, steps: 12, batch_size: 16, lr: 0.01}}
+        """
+    )
+    with channel(addresses(fleet)["coordinator"]) as ch:
+        coordinator = coordinator_pb2_grpc.CoordinatorStub(ch)
+        job_pb = coordinator.CreateJob(coordinator_pb2.CreateJobRequest(config_yaml=job), timeout=30)
+        events = list(coordinator.WatchJob(coordinator_pb2.WatchJobRequest(job_id=job_pb.id), timeout=120))
+    sft = [json.loads(e.data_json) for e in events if e.kind == "sft"]
+    assert events[-1].state == coordinator_pb2.JOB_STATE_SUCCEEDED
+    assert len(sft) == 12 and all(s["lr"] == 0.01 for s in sft)
+    assert sft[-1]["sft_loss"] < sft[0]["sft_loss"]
+    syncs = [json.loads(e.data_json)["version"] for e in events if e.kind == "weight_sync"]
+    assert syncs == [0, 12, 13]  # initial, after SFT, after the RL step
+
+
+def test_invalid_job_is_rejected_with_the_field_named(fleet):
+    with channel(addresses(fleet)["coordinator"]) as ch:
+        coordinator = coordinator_pb2_grpc.CoordinatorStub(ch)
+        with pytest.raises(grpc.RpcError) as err:
+            coordinator.CreateJob(coordinator_pb2.CreateJobRequest(config_yaml="name: x\nnum_rollout: 1\nmodle: y\n"), timeout=30)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "modle" in err.value.details()

@@ -106,3 +106,11 @@ def test_lr_schedules():
     assert [round(cosine(s), 3) for s in (0, 1, 2, 7, 12, 50)] == [0.5, 1.0, 1.0, 0.55, 0.1, 0.1]
     linear = lr_lambda(SchedulerSettings(kind="linear", decay_steps=10))
     assert linear(5) == pytest.approx(0.5)
+
+
+def test_an_lr_override_applies_to_one_step_and_leaves_the_schedule_alone(tiny_model_dir):
+    schedule = SchedulerSettings(kind="linear", decay_steps=10)
+    trainer = TorchTrainer(_settings(tiny_model_dir, scheduler=schedule))
+    assert trainer.train_step(_samples(0.0), sft=True, lr=0.5).metrics["lr"] == 0.5
+    assert trainer.train_step(_samples(1.0)).metrics["lr"] == pytest.approx(1e-2)  # schedule still at step 0
+    assert trainer.train_step(_samples(1.0)).metrics["lr"] == pytest.approx(0.9e-2)

@@ -1,0 +1,312 @@
+{{/*
+Names, labels, the rendered job config and the pieces every rlfleet container shares.
+*/}}
+
+{{- define "rlfleet.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 40 | trimSuffix "-" }}
+{{- end }}
+
+{{/*
+Fully qualified app name, short enough that "<fullname>-coordinator" and the StatefulSet pods'
+controller-revision-hash label stay within Kubernetes' 63-character limits.
+*/}}
+{{- define "rlfleet.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 40 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 40 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 40 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "rlfleet.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/*
+Selector labels of one component. app.kubernetes.io/name is always "rlfleet" (not nameOverride):
+the coordinator's pod discovery selects on it, and on instance = the release name.
+Call with (dict "root" $ "component" "trainer").
+*/}}
+{{- define "rlfleet.selectorLabels" -}}
+app.kubernetes.io/name: rlfleet
+app.kubernetes.io/instance: {{ .root.Release.Name }}
+app.kubernetes.io/component: {{ .component }}
+{{- end }}
+
+{{- define "rlfleet.labels" -}}
+{{ include "rlfleet.selectorLabels" . }}
+app.kubernetes.io/version: {{ .root.Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .root.Release.Service }}
+app.kubernetes.io/part-of: rlfleet
+helm.sh/chart: {{ include "rlfleet.chart" .root }}
+{{- end }}
+
+{{- define "rlfleet.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create }}
+{{- default (printf "%s-coordinator" (include "rlfleet.fullname" .)) .Values.serviceAccount.name }}
+{{- else }}
+{{- default "default" .Values.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{- define "rlfleet.image" -}}
+{{- $variant := "cpu" }}
+{{- if or (gt (int .Values.gpusPerPod.trainer) 0) (gt (int .Values.gpusPerPod.rollout) 0) }}
+{{- $variant = "cuda" }}
+{{- end }}
+{{- printf "%s:%s" .Values.image.repository (default (printf "%s-%s" .Chart.AppVersion $variant) .Values.image.tag) }}
+{{- end }}
+
+{{/*
+Trainer pods exist in train mode, and in eval mode only when trainers must load the checkpoint
+(model.format rlfleet); a Hugging Face checkpoint is loaded by the rollout engines themselves.
+*/}}
+{{- define "rlfleet.needsTrainers" -}}
+{{- if or (eq .Values.mode "train") (eq .Values.model.format "rlfleet") }}true{{ end }}
+{{- end }}
+
+{{/*
+The job config as the coordinator reads it. model comes from model.path; the fleet sizes default
+to the replicas and may not exceed them. In eval mode num_rollout is 0 and what only training
+uses (trainer.optimizer, trainer.scheduler, sft) is dropped, so nothing can build an optimizer or
+a zero-length LR schedule for an eval.
+*/}}
+{{- define "rlfleet.jobConfig" -}}
+{{- $job := deepCopy .Values.job }}
+{{- if hasKey $job "model" }}
+{{- fail "job.model: leave it out; set model.path (the chart fills job.model in from it)" }}
+{{- end }}
+{{- if not $job.name }}
+{{- fail "job.name: required (letters, digits, '.', '_' and '-')" }}
+{{- end }}
+{{- $_ := set $job "model" .Values.model.path }}
+{{- $trainer := default dict (get $job "trainer") }}
+{{- $rollout := default dict (get $job "rollout") }}
+{{- if eq .Values.mode "eval" }}
+{{- $_ := set $job "num_rollout" 0 }}
+{{- $_ := unset $trainer "optimizer" }}
+{{- $_ := unset $trainer "scheduler" }}
+{{- $_ := unset $job "sft" }}
+{{- $eval := default dict (get $job "eval") }}
+{{- if not (get $eval "datasets") }}
+{{- fail "job.eval.datasets: an eval (mode eval) needs at least one eval dataset" }}
+{{- end }}
+{{- else }}
+{{- if not (hasKey $job "num_rollout") }}
+{{- fail "job.num_rollout: required in mode train (RL steps, >= 1)" }}
+{{- end }}
+{{- if lt (int $job.num_rollout) 1 }}
+{{- fail "job.num_rollout: 0 means an eval-only job; install it with mode=eval (a Job), or set num_rollout >= 1" }}
+{{- end }}
+{{- end }}
+{{- if include "rlfleet.needsTrainers" . }}
+{{- if not (hasKey $trainer "num_trainers") }}
+{{- $_ := set $trainer "num_trainers" (int .Values.replicas.trainers) }}
+{{- else if gt (int $trainer.num_trainers) (int .Values.replicas.trainers) }}
+{{- fail (printf "job.trainer.num_trainers: %d is more than replicas.trainers (%d)" (int $trainer.num_trainers) (int .Values.replicas.trainers)) }}
+{{- end }}
+{{- end }}
+{{- if not (hasKey $rollout "num_engines") }}
+{{- $_ := set $rollout "num_engines" (int .Values.replicas.rollouts) }}
+{{- else if gt (int $rollout.num_engines) (int .Values.replicas.rollouts) }}
+{{- fail (printf "job.rollout.num_engines: %d is more than replicas.rollouts (%d)" (int $rollout.num_engines) (int .Values.replicas.rollouts)) }}
+{{- end }}
+{{- if $trainer }}
+{{- $_ := set $job "trainer" $trainer }}
+{{- end }}
+{{- $_ := set $job "rollout" $rollout }}
+{{- toYaml $job }}
+{{- end }}
+
+{{/* Resource requests and limits of a role, with its GPUs. Call with (dict "root" $ "role" "trainer"). */}}
+{{- define "rlfleet.resources" -}}
+{{- $res := deepCopy (get .root.Values.resources .role) }}
+{{- $gpus := int (get .root.Values.gpusPerPod .role | default 0) }}
+{{- if gt $gpus 0 }}
+{{- $limits := default dict (get $res "limits") }}
+{{- $requests := default dict (get $res "requests") }}
+{{- $_ := set $limits "nvidia.com/gpu" $gpus }}
+{{- $_ := set $requests "nvidia.com/gpu" $gpus }}
+{{- $_ := set $res "limits" $limits }}
+{{- $_ := set $res "requests" $requests }}
+{{- end }}
+{{- toYaml $res }}
+{{- end }}
+
+{{- define "rlfleet.podSecurityContext" -}}
+runAsNonRoot: true
+runAsUser: 10001
+runAsGroup: 10001
+fsGroup: 10001
+seccompProfile:
+  type: RuntimeDefault
+{{- end }}
+
+{{- define "rlfleet.containerSecurityContext" -}}
+runAsNonRoot: true
+runAsUser: 10001
+allowPrivilegeEscalation: false
+readOnlyRootFilesystem: true
+capabilities:
+  drop: ["ALL"]
+seccompProfile:
+  type: RuntimeDefault
+{{- end }}
+
+{{/* Native gRPC probes on grpc.health.v1. Call with (dict "root" $ "service" "rlfleet.v1.Trainer" "readiness" true). */}}
+{{- define "rlfleet.probes" -}}
+startupProbe:
+  grpc:
+    port: 50051
+    service: {{ .service }}
+  periodSeconds: {{ .root.Values.startupProbe.periodSeconds }}
+  failureThreshold: {{ .root.Values.startupProbe.failureThreshold }}
+  timeoutSeconds: 5
+livenessProbe:
+  grpc:
+    port: 50051
+    service: {{ .service }}
+  periodSeconds: 20
+  timeoutSeconds: 10
+  failureThreshold: 6
+{{- if .readiness }}
+readinessProbe:
+  grpc:
+    port: 50051
+    service: {{ .service }}
+  periodSeconds: 5
+  timeoutSeconds: 5
+  failureThreshold: 3
+{{- end }}
+{{- end }}
+
+{{- define "rlfleet.env" -}}
+- name: POD_NAMESPACE
+  valueFrom:
+    fieldRef:
+      fieldPath: metadata.namespace
+- name: POD_NAME
+  valueFrom:
+    fieldRef:
+      fieldPath: metadata.name
+# The root filesystem is read-only: caches and config dirs go to the /tmp emptyDir.
+- name: HOME
+  value: /tmp
+- name: XDG_CACHE_HOME
+  value: /tmp/.cache
+- name: MPLCONFIGDIR
+  value: /tmp/matplotlib
+{{- with .Values.extraEnv }}
+{{ toYaml . }}
+{{- end }}
+{{- end }}
+
+{{/* Token arguments: the Secret is mounted as a file, never passed as a value. */}}
+{{- define "rlfleet.tokenArgs" -}}
+{{- if .Values.token.existingSecret }}
+- --token-file=/var/run/secrets/rlfleet/token
+{{- end }}
+{{- end }}
+
+{{/* Volume mounts every rlfleet container has. */}}
+{{- define "rlfleet.volumeMounts" -}}
+- name: tmp
+  mountPath: /tmp
+{{- if or .Values.model.existingClaim .Values.model.hostPath }}
+- name: model
+  mountPath: {{ .Values.model.mountPath }}
+  readOnly: true
+{{- end }}
+{{- if .Values.token.existingSecret }}
+- name: token
+  mountPath: /var/run/secrets/rlfleet
+  readOnly: true
+{{- end }}
+{{- with .Values.extraVolumeMounts }}
+{{ toYaml . }}
+{{- end }}
+{{- end }}
+
+{{- define "rlfleet.volumes" -}}
+- name: tmp
+  emptyDir: {}
+{{- if .Values.model.existingClaim }}
+- name: model
+  persistentVolumeClaim:
+    claimName: {{ .Values.model.existingClaim }}
+    readOnly: true
+{{- else if .Values.model.hostPath }}
+- name: model
+  hostPath:
+    path: {{ .Values.model.hostPath }}
+    type: Directory
+{{- end }}
+{{- if .Values.token.existingSecret }}
+- name: token
+  secret:
+    secretName: {{ .Values.token.existingSecret }}
+    defaultMode: 0440
+    items:
+      - key: {{ .Values.token.key }}
+        path: token
+{{- end }}
+{{- with .Values.extraVolumes }}
+{{ toYaml . }}
+{{- end }}
+{{- end }}
+
+{{- define "rlfleet.scheduling" -}}
+{{- with .Values.imagePullSecrets }}
+imagePullSecrets:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .Values.nodeSelector }}
+nodeSelector:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .Values.tolerations }}
+tolerations:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .Values.affinity }}
+affinity:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- end }}
+
+{{/* The coordinator's state volume: the PVC, or an emptyDir when persistence is off. */}}
+{{- define "rlfleet.stateVolume" -}}
+- name: state
+{{- if .Values.persistence.enabled }}
+  persistentVolumeClaim:
+    claimName: {{ default (printf "%s-state" (include "rlfleet.fullname" .)) .Values.persistence.existingClaim }}
+{{- else }}
+  emptyDir: {}
+{{- end }}
+{{- end }}
+
+{{/* Arguments of `rlfleet serve coordinator` shared by both modes. */}}
+{{- define "rlfleet.coordinatorArgs" -}}
+- serve
+- coordinator
+- --host=0.0.0.0
+- --port=50051
+- --db=/var/lib/rlfleet/jobs.db
+- --runs-dir=/var/lib/rlfleet/runs
+- --discovery=kubernetes
+- --namespace=$(POD_NAMESPACE)
+- --instance={{ .Release.Name }}
+- --worker-port=50051
+- --discovery-wait-s={{ .Values.discovery.waitSeconds }}
+- --log-level={{ .Values.logLevel }}
+{{- if .Values.token.existingSecret }}
+- --token-file=/var/run/secrets/rlfleet/token
+- --worker-token-file=/var/run/secrets/rlfleet/token
+{{- end }}
+{{- end }}
+

@@ -1,0 +1,268 @@
+"""Kubernetes pod discovery: the ready trainer and rollout pods of one release, kept current.
+
+This is the only module that imports `kubernetes`. It lists the pods labelled
+`app.kubernetes.io/name=rlfleet, app.kubernetes.io/instance=<release>` with component trainer or
+rollout in one namespace, then follows them with a watch in a background thread. A pod counts as
+ready when its Ready condition is True, it is not terminating and it has a pod IP; only ready pods
+are handed out (as `podIP:port`, ordered by StatefulSet ordinal), so a pod whose readiness probe
+fails stops receiving new jobs. Every reconnect starts with a full re-list, which also catches
+deletions a dropped watch missed; a failed list or watch is retried with capped exponential
+backoff. Kubernetes API and transport errors surface as `DiscoveryError`, chained to the cause.
+The coordinator needs get/list/watch on pods in its namespace (the chart's Role) and nothing more.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import urllib3
+from kubernetes import client, config, watch
+from kubernetes.client.exceptions import ApiException
+from kubernetes.config.config_exception import ConfigException
+
+from services import rpc
+from services.coordinator.discovery import DiscoveryError, Listener, ReadySet, rank_key
+
+log = rpc.get_logger("coordinator.k8s")
+
+NAME_LABEL = "app.kubernetes.io/name"
+INSTANCE_LABEL = "app.kubernetes.io/instance"
+COMPONENT_LABEL = "app.kubernetes.io/component"
+ROLES = ("trainer", "rollout")
+_SERVICE_ACCOUNT_NAMESPACE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
+
+
+@dataclass(frozen=True, kw_only=True)
+class KubernetesDiscoveryConfig:
+    """Where to look for workers and how patiently.
+
+    Attributes:
+        namespace: namespace of the worker pods (the coordinator's own, in the chart).
+        instance: value of the app.kubernetes.io/instance label (the Helm release name).
+        port: gRPC port of the trainer and rollout containers.
+        watch_timeout_s: the API server ends each watch after this long; the watcher then re-lists.
+        request_timeout_s: connect timeout, and read timeout of a list.
+        read_grace_s: a watch with no bytes for watch_timeout_s + this is taken as dead.
+        backoff_s: first and largest pause between retries after a failed list or watch.
+    """
+
+    namespace: str
+    instance: str
+    port: int = 50051
+    watch_timeout_s: float = 240.0
+    request_timeout_s: float = 30.0
+    read_grace_s: float = 15.0
+    backoff_s: tuple[float, float] = (0.5, 30.0)
+
+    def __post_init__(self) -> None:
+        if not self.namespace:
+            raise ValueError("namespace: must not be empty")
+        if not self.instance:
+            raise ValueError("instance: must not be empty")
+        if not 0 < self.port < 65536:
+            raise ValueError(f"port: must be in 1..65535, got {self.port}")
+
+    @property
+    def label_selector(self) -> str:
+        return f"{NAME_LABEL}=rlfleet,{INSTANCE_LABEL}={self.instance},{COMPONENT_LABEL} in ({','.join(sorted(ROLES))})"
+
+
+def pod_address(pod: dict[str, Any], port: int) -> str | None:
+    """`podIP:port` of a pod that may take work, else None (unready, terminating or without an IP)."""
+    meta, status = pod.get("metadata") or {}, pod.get("status") or {}
+    if meta.get("deletionTimestamp"):
+        return None
+    ip = status.get("podIP")
+    ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or ())
+    if not ip or not ready:
+        return None
+    return f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
+
+
+def default_namespace() -> str:
+    """The pod's own namespace when running in a cluster, else "default"."""
+    try:
+        return _SERVICE_ACCOUNT_NAMESPACE.read_text().strip() or "default"
+    except OSError:
+        return "default"
+
+
+def load_api() -> client.CoreV1Api:
+    """A CoreV1Api from the in-cluster service account, else from the local kubeconfig."""
+    configuration = client.Configuration()
+    try:
+        config.load_incluster_config(client_configuration=configuration)
+    except ConfigException as in_cluster:
+        try:
+            config.load_kube_config(client_configuration=configuration)
+        except (ConfigException, OSError) as e:
+            raise DiscoveryError(
+                f"no Kubernetes credentials: not in a pod ({in_cluster}) and no usable kubeconfig ({e})"
+            ) from e
+    return client.CoreV1Api(client.ApiClient(configuration))
+
+
+class KubernetesDiscovery:
+    """Ready trainer and rollout pods of one release; call start() before use, close() after."""
+
+    def __init__(self, cfg: KubernetesDiscoveryConfig, api: client.CoreV1Api | None = None) -> None:
+        self.cfg = cfg
+        self._api = api
+        self._ready = ReadySet()
+        self._pods: dict[str, dict[str, Any]] = {}
+        self._resource_version = ""  # of the last list: the watch resumes there, so nothing falls between
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._watch: watch.Watch | None = None
+        self._thread: threading.Thread | None = None
+        self.last_error: DiscoveryError | None = None
+
+    def __repr__(self) -> str:
+        return f"pods of instance {self.cfg.instance!r} in namespace {self.cfg.namespace!r}"
+
+    # ---- the Discovery protocol ----------------------------------------------------------------
+    def trainers(self) -> list[str]:
+        return self._ready.snapshot()[0]
+
+    def rollouts(self) -> list[str]:
+        return self._ready.snapshot()[1]
+
+    def wait_until(self, predicate: Callable[[list[str], list[str]], bool], timeout_s: float) -> bool:
+        return self._ready.wait_until(predicate, timeout_s)
+
+    def subscribe(self, listener: Listener) -> None:
+        self._ready.subscribe(listener)
+
+    def resync(self) -> None:
+        """List the pods now and replace what is known; raises DiscoveryError."""
+        with self._api_errors("listing"):
+            reply = self._core().list_namespaced_pod(
+                self.cfg.namespace,
+                label_selector=self.cfg.label_selector,
+                _preload_content=False,
+                _request_timeout=self.cfg.request_timeout_s,
+            )
+            listing = json.loads(reply.data)
+        with self._lock:
+            self._pods = {p["metadata"]["name"]: p for p in listing.get("items") or []}
+            self._resource_version = (listing.get("metadata") or {}).get("resourceVersion") or ""
+        self._publish()
+
+    def start(self) -> KubernetesDiscovery:
+        """Make the first list (its failure raises DiscoveryError), then watch in the background."""
+        self.resync()
+        self._thread = threading.Thread(target=self._run, name="k8s-discovery", daemon=True)
+        self._thread.start()
+        log.info("watching %s: trainers %s, rollouts %s", self, self.trainers(), self.rollouts())
+        return self
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        self._stop.set()
+        deadline = time.monotonic() + timeout_s
+        while self._thread is not None and self._thread.is_alive() and time.monotonic() < deadline:
+            current = self._watch
+            if current is not None:
+                # Shuts the socket down so a blocked read returns now; repeated because a watch
+                # whose response has not arrived yet has no socket to shut.
+                current.stop()
+            self._thread.join(timeout=0.05)
+
+    # ---- the watcher -----------------------------------------------------------------------------
+    def _run(self) -> None:
+        backoff = self.cfg.backoff_s[0]
+        relist = False  # start() has just listed
+        while not self._stop.is_set():
+            try:
+                if relist:
+                    self.resync()
+                relist = True  # a reconnect must not trust what it knew: deletions may have been missed
+                self._follow()
+                backoff = self.cfg.backoff_s[0]
+                self.last_error = None
+            except DiscoveryError as e:
+                if self._stop.is_set():
+                    return
+                self.last_error = e
+                log.warning("%s; retrying in %.1f s", e, backoff)
+                self._stop.wait(backoff)
+                backoff = min(backoff * 2, self.cfg.backoff_s[1])
+
+    def _follow(self) -> None:
+        """One watch, until the server ends it, it goes quiet too long, or close() is called."""
+        stream = watch.Watch()
+        self._watch = stream
+        if self._stop.is_set():  # close() may have looked for a watch to stop just before this one
+            return
+        with self._lock:
+            since = {"resource_version": self._resource_version} if self._resource_version else {}
+        try:
+            with self._api_errors("watching"):
+                events = stream.stream(
+                    self._core().list_namespaced_pod,
+                    self.cfg.namespace,
+                    label_selector=self.cfg.label_selector,
+                    **since,
+                    timeout_seconds=max(1, int(self.cfg.watch_timeout_s)),
+                    _request_timeout=(self.cfg.request_timeout_s, self.cfg.watch_timeout_s + self.cfg.read_grace_s),
+                    deserialize=False,
+                )
+                for event in events:
+                    if self._stop.is_set():
+                        return
+                    self._apply(event)
+        except DiscoveryError as e:
+            if isinstance(e.__cause__, urllib3.exceptions.ReadTimeoutError):
+                return  # a quiet watch that the server did not end: reconnect (and re-list)
+            raise
+        finally:
+            self._watch = None
+
+    def _apply(self, event: dict[str, Any]) -> None:
+        kind, pod = event.get("type"), event.get("object") or {}
+        name = (pod.get("metadata") or {}).get("name")
+        if kind not in ("ADDED", "MODIFIED", "DELETED") or not name:
+            return  # BOOKMARK and anything unknown carry no pod
+        with self._lock:
+            if kind == "DELETED":
+                self._pods.pop(name, None)
+            else:
+                self._pods[name] = pod
+        self._publish()
+
+    def _publish(self) -> None:
+        ready: dict[str, list[tuple[tuple, str]]] = {role: [] for role in ROLES}
+        with self._lock:
+            pods = list(self._pods.items())
+        for name, pod in pods:
+            role = ((pod.get("metadata") or {}).get("labels") or {}).get(COMPONENT_LABEL)
+            address = pod_address(pod, self.cfg.port)
+            if role in ready and address is not None:
+                ready[role].append((rank_key(name), address))
+        trainers = [a for _, a in sorted(ready["trainer"])]
+        rollouts = [a for _, a in sorted(ready["rollout"])]
+        if self._ready.replace(trainers, rollouts):
+            log.info("ready workers of %s: trainers %s, rollouts %s", self, trainers, rollouts)
+
+    # ---- plumbing --------------------------------------------------------------------------------
+    def _core(self) -> client.CoreV1Api:
+        if self._api is None:
+            self._api = load_api()
+        return self._api
+
+    @contextlib.contextmanager
+    def _api_errors(self, action: str) -> Iterator[None]:
+        try:
+            yield
+        except ApiException as e:
+            hint = " (the coordinator's service account needs get/list/watch on pods)" if e.status in (401, 403) else ""
+            raise DiscoveryError(
+                f"{action} {self} failed: HTTP {e.status} {e.reason or ''}".rstrip() + hint
+            ) from e
+        except (urllib3.exceptions.HTTPError, OSError, ValueError) as e:
+            raise DiscoveryError(f"{action} {self} failed: {type(e).__name__}: {e}") from e
