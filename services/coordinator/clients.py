@@ -67,6 +67,14 @@ class TrainerClient(_Client):
         with self._call("GetStatus"):
             return self._stub.GetStatus(trainer_pb2.GetTrainerStatusRequest(), timeout=30)
 
+    def sleep(self) -> trainer_pb2.LifecycleStatus:
+        with self._call("Sleep"):
+            return self._stub.Sleep(trainer_pb2.SleepRequest(), timeout=self.deadline_s).status
+
+    def wake_up(self) -> trainer_pb2.LifecycleStatus:
+        with self._call("WakeUp"):
+            return self._stub.WakeUp(trainer_pb2.WakeUpRequest(), timeout=self.deadline_s).status
+
     def compute_logprobs(self, tag: str, batch: trainer_pb2.Batch) -> list[list[float]]:
         with self._call("ComputeLogProbs"):
             reply = self._stub.ComputeLogProbs(
@@ -141,6 +149,14 @@ class RolloutClient(_Client):
         )
         with self._call("UpdateWeights"):
             return self._stub.UpdateWeights(request, timeout=timeout_s + 30)
+
+    def release_memory(self, tags: list[str]) -> rollout_pb2.RolloutStatus:
+        with self._call("ReleaseMemory"):
+            return self._stub.ReleaseMemory(rollout_pb2.ReleaseMemoryRequest(tags=tags), timeout=self.deadline_s).status
+
+    def resume_memory(self, tags: list[str]) -> rollout_pb2.RolloutStatus:
+        with self._call("ResumeMemory"):
+            return self._stub.ResumeMemory(rollout_pb2.ResumeMemoryRequest(tags=tags), timeout=self.deadline_s).status
 
     def fingerprints(self, algo: str, bucket_bytes: int) -> tuple[int, list[str]]:
         with self._call("GetWeightFingerprints"):

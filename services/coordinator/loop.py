@@ -142,6 +142,9 @@ class RLLoop:
     # ---- weights -----------------------------------------------------------------------------
     def sync_weights(self, step: int) -> dict:
         started = time.perf_counter()
+        colocate = self.job.trainer.colocate
+        if colocate:  # engines get their weight memory back first, their KV cache only after the sync
+            self._on_engines(lambda e: e.resume_memory(["weights"]))
         source = self.fleet.trainers[0]
         algo = "sha256" if self.job.weight_sync.verify == "exact" else ""
         manifest = source.weight_manifest(algo)
@@ -161,8 +164,11 @@ class RLLoop:
             except PeerError as e:
                 self.fleet.in_pool.discard(i)
                 failures[self.fleet.engines[i].address] = str(e)
+        if colocate:
+            self._on_engines(lambda e: e.resume_memory(["kv_cache"]))
         stats = {
             "version": manifest.version,
+            "source": manifest.source,
             "bytes": manifest.total_bytes,
             "seconds": time.perf_counter() - started,
             "plane": "grpc_stream",
@@ -174,6 +180,14 @@ class RLLoop:
             raise WeightSyncFailed(f"weight sync to version {manifest.version} failed on every engine: {failures}")
         self.weights_version = manifest.version
         return stats
+
+    def _on_engines(self, call) -> None:
+        for index in range(len(self.fleet.engines)):
+            try:
+                call(self.fleet.engines[index])
+            except PeerError as e:
+                self.fleet.in_pool.discard(index)
+                self.emit("log", 0, {"message": f"engine {e.peer} left the pool: {e}"})
 
     # ---- generation --------------------------------------------------------------------------
     def generate(self, prompts: list[str], sampling: rollout_pb2.SamplingParams) -> list[Completion]:
@@ -243,6 +257,8 @@ class RLLoop:
             [self._reward(c.text, e.answer, e.prompt) for e, group in zip(examples, _groups(completions, n)) for c in group]
         ).view(len(examples), n)  # [P, n]
         advantages = compute_advantages(algo.advantage, rewards, normalize_std=algo.normalize_std).view(-1)
+        if job.trainer.colocate:  # the engines' memory goes to the trainer while it trains
+            self._on_engines(lambda e: e.release_memory(["kv_cache", "weights"]))
         samples = [
             trainer_pb2.Sample(
                 prompt_ids=c.prompt_ids,
@@ -259,6 +275,9 @@ class RLLoop:
             for sample, ref in zip(batch.samples, trainer.compute_logprobs("ref", batch)):
                 sample.ref_logprobs.extend(ref)
         train_metrics, _ = trainer.train_step(batch)
+        if job.trainer.offload:  # every sync of an offloaded trainer reads its host copy
+            for t in self.fleet.trainers:
+                t.sleep()
         t2 = time.perf_counter()
         sync = self.sync_weights(step)
         lengths = [len(c.output_ids) for c in completions]
@@ -271,6 +290,7 @@ class RLLoop:
             "generate_s": t1 - t0,
             "train_s": t2 - t1,
             "sync_s": sync["seconds"],
+            "sync_from_host": float(sync["source"] == "host"),
             "weights_version": float(self.weights_version),
             **{f"train/{k}": v for k, v in train_metrics.items()},
         }

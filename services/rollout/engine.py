@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from services.models import load_hf_dir, load_tokenizer
+from services.models import load_hf_dir, load_tokenizer, memory
 from services.models.checkpoint import load_config
 from services.models.decoder import DecoderLM, init_weights
 from services.rollout.torch_engine import Generation, Sampling, generate
@@ -27,6 +27,13 @@ from services.weights.manifest import validate_against
 
 class EngineUnavailable(RuntimeError):
     """The engine is out of the generation pool (a failed update, or memory released)."""
+
+
+class EngineStateError(RuntimeError):
+    """A call the engine's memory state does not allow (an update while weights are released)."""
+
+
+MEMORY_TAGS = ("weights", "kv_cache")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -64,6 +71,10 @@ class RolloutEngine:
         self.weight_version = 0
         self.serving = True
         self.last_error = ""
+        self.released: set[str] = set()
+        self._params = list(self.model.parameters())
+        memory.make_resizable(self._params)
+        self._param_sizes: list[int] = []
         self._lock = threading.Lock()
 
     @property
@@ -72,6 +83,8 @@ class RolloutEngine:
 
     def generate(self, prompts_ids: list[list[int]], sampling: Sampling) -> tuple[list[Generation], int]:
         with self._lock:
+            if self.released:
+                raise EngineUnavailable(f"engine memory is released ({', '.join(sorted(self.released))}): call ResumeMemory")
             if not self.serving:
                 raise EngineUnavailable(f"engine is out of the generation pool: {self.last_error}")
             results = generate(
@@ -90,6 +103,8 @@ class RolloutEngine:
     def apply(self, manifest: Manifest, buffers: list[torch.Tensor]) -> int:
         """Copy verified buckets into the model and switch to the manifest's version atomically."""
         with self._lock:
+            if "weights" in self.released:
+                raise EngineStateError("UpdateWeights: weights are released; call ResumeMemory(weights) first")
             copied = load_buckets_into(dict(named_weights(self.model)), manifest, buffers)
             actual = self._fingerprints_locked(manifest)
             expected = [b.fingerprint for b in manifest.buckets]
@@ -113,9 +128,36 @@ class RolloutEngine:
         with torch.no_grad():
             return [fingerprint(pack_bucket(b, tensors), manifest.fingerprint_algo) for b in manifest.buckets]
 
+    def release_memory(self, tags: list[str]) -> None:
+        """Free device memory by tag. Released weights lose their values: the engine serves again
+        only after ResumeMemory and a full weight update."""
+        tags = _check_tags(tags)
+        with self._lock:
+            if "weights" in tags and "weights" not in self.released:
+                self._param_sizes = memory.release(self._params)
+                self._leave_pool_locked("weights were released; waiting for a full weight update")
+            # The torch engine allocates its KV cache per Generate call: nothing stays allocated.
+            self.released |= set(tags)
+
+    def resume_memory(self, tags: list[str]) -> None:
+        tags = _check_tags(tags)
+        with self._lock:
+            if "weights" in tags and "weights" in self.released:
+                memory.reallocate(self._params, self._param_sizes)
+            self.released -= set(tags)
+
     def fingerprints(self, algo: str, bucket_bytes: int) -> list[str]:
         with self._lock:
+            if "weights" in self.released:
+                raise EngineStateError("GetWeightFingerprints: weights are released")
             named = named_weights(self.model)
             tensors = dict(named)
             with torch.no_grad():
                 return [fingerprint(pack_bucket(b, tensors), algo) for b in plan_buckets(named, bucket_bytes)]
+
+
+def _check_tags(tags: list[str]) -> list[str]:
+    for tag in tags:
+        if tag not in MEMORY_TAGS:
+            raise ValueError(f"tags: unknown memory tag {tag!r} (expected {' or '.join(MEMORY_TAGS)})")
+    return list(tags) or list(MEMORY_TAGS)

@@ -15,7 +15,7 @@ import grpc
 
 from services import rpc
 from services.api import rollout_pb2, rollout_pb2_grpc, trainer_pb2, trainer_pb2_grpc, weights_pb2
-from services.rollout.engine import EngineUnavailable, RolloutEngine, RolloutSettings
+from services.rollout.engine import EngineStateError, EngineUnavailable, RolloutEngine, RolloutSettings
 from services.rollout.torch_engine import Sampling
 from services.weights.errors import InvalidChunk, WeightSyncError
 from services.weights.grpc_stream import StreamReceiver
@@ -27,6 +27,7 @@ _ERRORS = {
     ValueError: grpc.StatusCode.INVALID_ARGUMENT,
     FileNotFoundError: grpc.StatusCode.NOT_FOUND,
     EngineUnavailable: grpc.StatusCode.UNAVAILABLE,
+    EngineStateError: grpc.StatusCode.FAILED_PRECONDITION,
     WeightSyncError: grpc.StatusCode.ABORTED,
 }
 _FINISH = {"stop": rollout_pb2.FINISH_REASON_STOP, "length": rollout_pb2.FINISH_REASON_LENGTH}
@@ -64,7 +65,8 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
         return rollout_pb2.RolloutStatus(
             configured=True,
             weight_version=e.weight_version,
-            serving=e.serving,
+            serving=e.serving and not e.released,
+            released=sorted(e.released),
             last_error=e.last_error,
             num_parameters=e.num_parameters,
         )
@@ -125,6 +127,8 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
             if request.version != manifest.version:
                 raise ValueError(f"version: {request.version} does not match manifest.version {manifest.version}")
             engine.validate(manifest)
+            if "weights" in engine.released:
+                raise EngineStateError("UpdateWeights: weights are released; call ResumeMemory(weights) first")
             if request.WhichOneof("source") != "trainer":
                 context.abort(
                     grpc.StatusCode.UNIMPLEMENTED,
@@ -156,6 +160,16 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
             for chunk in stub.GetWeights(trainer_pb2.GetWeightsRequest(version=manifest.version), timeout=timeout_s):
                 receiver.accept(chunk)
         return receiver.finish(manifest.fingerprint_algo)
+
+    def ReleaseMemory(self, request, context):
+        with self._update_lock, rpc.abort_on(context, _ERRORS):
+            self._require(context).release_memory(list(request.tags))
+            return rollout_pb2.ReleaseMemoryResponse(status=self._status())
+
+    def ResumeMemory(self, request, context):
+        with self._update_lock, rpc.abort_on(context, _ERRORS):
+            self._require(context).resume_memory(list(request.tags))
+            return rollout_pb2.ResumeMemoryResponse(status=self._status())
 
     def GetWeightFingerprints(self, request, context):
         with rpc.abort_on(context, _ERRORS):

@@ -86,6 +86,16 @@ def samples_from_proto(batch: trainer_pb2.Batch) -> list[Sample]:
     return samples
 
 
+def _lifecycle_proto(state) -> trainer_pb2.LifecycleStatus:
+    return trainer_pb2.LifecycleStatus(
+        asleep=state.asleep,
+        active_tag=state.active_tag,
+        weights_version=state.weights_version,
+        gpu_bytes_in_use=state.gpu_bytes_in_use,
+        host_backup_bytes=state.host_backup_bytes,
+    )
+
+
 class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
     def __init__(self):
         self._lock = threading.Lock()
@@ -102,7 +112,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         if t is None:
             return trainer_pb2.TrainerStatus(configured=False)
         return trainer_pb2.TrainerStatus(
-            lifecycle=trainer_pb2.LifecycleStatus(asleep=False, active_tag="actor", weights_version=t.weights_version),
+            lifecycle=_lifecycle_proto(t.lifecycle()),
             has_optimizer=t.optimizer is not None,
             has_scheduler=t.scheduler is not None,
             configured=True,
@@ -124,6 +134,14 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
     def GetStatus(self, request, context):
         with self._lock:
             return self._status()
+
+    def Sleep(self, request, context):
+        with self._lock, rpc.abort_on(context, _ERRORS):
+            return trainer_pb2.SleepResponse(status=_lifecycle_proto(self._require(context).sleep()))
+
+    def WakeUp(self, request, context):
+        with self._lock, rpc.abort_on(context, _ERRORS):
+            return trainer_pb2.WakeUpResponse(status=_lifecycle_proto(self._require(context).wake()))
 
     def ComputeLogProbs(self, request, context):
         with self._lock, rpc.abort_on(context, _ERRORS):
@@ -148,7 +166,9 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
     def GetWeightManifest(self, request, context):
         with self._lock, rpc.abort_on(context, _ERRORS):
             trainer = self._require(context)
-            snap = self._source.snapshot(trainer.model, trainer.weights_version, request.fingerprint_algo)
+            source, weights = trainer.weights_for_sync()
+            layout = trainer.store.layout if source == "host" else None
+            snap = self._source.snapshot(weights, layout, trainer.weights_version, source, request.fingerprint_algo)
             return trainer_pb2.GetWeightManifestResponse(manifest=manifest_to_proto(snap.manifest))
 
     def GetWeights(self, request, context):
@@ -178,6 +198,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
             trainer = self._require(context)
             if not request.path:
                 raise ValueError("path: required")
+            trainer.use("actor")  # a sleeping trainer or another active tag: bring the actor back first
             save_hf_dir(trainer.model, trainer.model_config, request.path)
             return trainer_pb2.SaveCheckpointResponse(path=request.path, step=trainer.step)
 

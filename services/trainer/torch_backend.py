@@ -8,7 +8,6 @@ scheduler is ever built, so schedule settings that only make sense while trainin
 
 from __future__ import annotations
 
-import copy
 import math
 import time
 from dataclasses import dataclass
@@ -18,7 +17,10 @@ import torch
 from services.models import load_hf_dir
 from services.trainer import losses
 from services.trainer.batch import PackedBatch, Sample, micro_batches, pack
+from services.trainer.host_store import ACTOR, HostCopy, HostStore
+from services.trainer.offload import Offloader
 from services.trainer.settings import SchedulerSettings, TrainerSettings
+from services.weights.apply import named_weights
 from services.weights.buckets import parse_dtype
 
 
@@ -55,7 +57,23 @@ class StepResult:
     step: int
 
 
+@dataclass(frozen=True)
+class LifecycleState:
+    asleep: bool
+    active_tag: str
+    weights_version: int
+    gpu_bytes_in_use: int
+    host_backup_bytes: int
+
+
 class TorchTrainer:
+    """Policy model, optimizer and the memory lifecycle of one trainer rank.
+
+    Tags share the one live model: `use(tag)` loads that tag's values from the host store, and
+    skips the copy when the device already holds the tag at its current version, unless the
+    restore rebuilds weights (fp32 master weights), which always runs.
+    """
+
     def __init__(self, settings: TrainerSettings):
         self.settings = settings
         self.device = torch.device(settings.device)
@@ -64,15 +82,19 @@ class TorchTrainer:
             settings.model_path, dtype=parse_dtype(settings.dtype), device=self.device
         )
         self.pad_id = self.model_config.pad_token_id or 0
-        self.copies: dict[str, torch.nn.Module] = {
-            tag: self._frozen_copy() for tag in dict.fromkeys(settings.tags)
-        }
+        self.params = list(self.model.parameters())
+        self.named = dict(named_weights(self.model))
+        self.master: list[torch.Tensor] | None = None
+        if settings.master_weights == "fp32":
+            if settings.dtype == "float32":
+                raise ValueError("master_weights: fp32 master weights need dtype bfloat16 or float16")
+            self.master = [p.detach().float().clone().requires_grad_(True) for p in self.params]
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
         if not settings.eval_only:
             opt = settings.optimizer
             self.optimizer = torch.optim.AdamW(
-                self.model.parameters(),
+                self.master if self.master is not None else self.params,
                 lr=opt.lr,
                 betas=(opt.beta1, opt.beta2),
                 eps=opt.eps,
@@ -81,39 +103,130 @@ class TorchTrainer:
             self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(settings.scheduler))
         self.step = 0
         self.weights_version = 0
-
-    def _frozen_copy(self) -> torch.nn.Module:
-        clone = copy.deepcopy(self.model).eval()
-        for p in clone.parameters():
-            p.requires_grad_(False)
-        return clone
+        self.asleep = False
+        self.active_tag = ACTOR
+        self.rebuilds = 0
+        self._device_holds: tuple[str, int] | None = (ACTOR, 0)
+        self.store: HostStore | None = None
+        if settings.tags or settings.offload or settings.colocate:
+            self.store = HostStore(list(self.named.items()), settings.bucket_bytes)
+            for tag in dict.fromkeys(settings.tags):
+                self.store.capture(tag, self.named, version=0)
+        self.offloader = Offloader(self.params, pinned=torch.cuda.is_available())
 
     @property
     def num_parameters(self) -> int:
-        return sum(p.numel() for p in self.model.parameters())
+        return sum(p.numel() for p in self.params)
 
-    def _model_for(self, tag: str) -> torch.nn.Module:
-        if tag in ("", "actor"):
-            return self.model
-        if tag not in self.copies:
-            raise ValueError(f"tag: {tag!r} is not loaded (loaded: actor, {', '.join(self.copies) or 'none'})")
-        return self.copies[tag]
+    # ---- memory lifecycle --------------------------------------------------------------------
+    def _state_tensors(self) -> list[torch.Tensor]:
+        tensors = list(self.master or [])
+        if self.optimizer is not None:
+            for state in self.optimizer.state.values():
+                tensors += [t for t in state.values() if isinstance(t, torch.Tensor)]
+        return tensors
 
+    def lifecycle(self) -> LifecycleState:
+        host = (self.store.nbytes if self.store else 0) + self.offloader.host_bytes
+        return LifecycleState(
+            asleep=self.asleep,
+            active_tag=self.active_tag,
+            weights_version=self.weights_version,
+            gpu_bytes_in_use=0 if self.asleep else self.offloader.device_bytes(self._state_tensors()),
+            host_backup_bytes=host if self.asleep else (self.store.nbytes if self.store else 0),
+        )
+
+    def _ensure_store(self) -> HostStore:
+        if self.store is None:
+            self.store = HostStore(list(self.named.items()), self.settings.bucket_bytes)
+        return self.store
+
+    def _capture_actor(self) -> None:
+        """Make the host actor copy current (only ever called while the device holds the actor)."""
+        store = self._ensure_store()
+        if store.version(ACTOR) != self.weights_version:
+            store.capture(ACTOR, self.named, self.weights_version)
+
+    def sleep(self) -> LifecycleState:
+        if not self.asleep:
+            if self.active_tag == ACTOR:
+                self._capture_actor()
+            self.offloader.release(self._state_tensors())
+            self.asleep, self._device_holds = True, None
+        return self.lifecycle()
+
+    def wake(self) -> LifecycleState:
+        if self.asleep:
+            self.offloader.reallocate(self._state_tensors())
+            self._restore_actor()
+            self.asleep, self.active_tag = False, ACTOR
+            self._device_holds = (ACTOR, self.weights_version)
+        return self.lifecycle()
+
+    def _restore_actor(self) -> None:
+        if self.master is not None:  # rebuild the low-precision weights from the fp32 master copy
+            with torch.no_grad():
+                for p, m in zip(self.params, self.master):
+                    p.copy_(m)
+            self.rebuilds += 1
+        else:
+            self.store.restore(ACTOR, self.named)
+
+    def _version_of(self, tag: str) -> int:
+        return self.weights_version if tag == ACTOR else self.store.version(tag)
+
+    def use(self, tag: str) -> None:
+        """Make the live model hold `tag`'s weights (waking the trainer if it sleeps)."""
+        tag = tag or ACTOR
+        if tag != ACTOR and (self.store is None or tag not in self.store.tags):
+            loaded = ", ".join([ACTOR, *(t for t in (self.store.tags if self.store else []) if t != ACTOR)])
+            raise ValueError(f"tag: {tag!r} is not loaded (loaded: {loaded})")
+        if self.asleep:
+            self.wake()
+        rebuilds = tag == ACTOR and self.master is not None
+        if self._device_holds == (tag, self._version_of(tag)) and not rebuilds:
+            return
+        if self.active_tag == ACTOR and tag != ACTOR:
+            self._capture_actor()
+        if tag == ACTOR:
+            self._restore_actor()
+        else:
+            self.store.restore(tag, self.named)
+        self.active_tag = tag
+        self._device_holds = (tag, self._version_of(tag))
+
+    def weights_for_sync(self) -> tuple[str, HostCopy | dict[str, torch.Tensor]]:
+        """Where a weight sync reads: the host actor copy while asleep, colocated or when another
+        tag is active; the live weights otherwise. `old_actor`, when kept, becomes what is synced."""
+        if self.asleep or self.settings.colocate or self.active_tag != ACTOR:
+            if self.active_tag == ACTOR and not self.asleep:
+                self._capture_actor()
+            source, weights = "host", self.store.get(ACTOR)
+        else:
+            source, weights = "gpu", self.named
+        if self.store is not None and "old_actor" in self.store.tags:
+            if source == "host":
+                self.store.load_bytes_into("old_actor", weights)
+            else:
+                self.store.capture("old_actor", weights, self.weights_version)
+        return source, weights
+
+    # ---- compute -----------------------------------------------------------------------------
     def _pack(self, samples: list[Sample]) -> PackedBatch:
         return pack(samples, pad_id=self.pad_id, vocab_size=self.model_config.vocab_size, device=self.device)
 
-    def _forward(self, model: torch.nn.Module, batch: PackedBatch) -> torch.Tensor:
-        logits = model(batch.input_ids, attention_mask=batch.attention_mask)  # [B, T, V]
+    def _forward(self, batch: PackedBatch) -> torch.Tensor:
+        logits = self.model(batch.input_ids, attention_mask=batch.attention_mask)  # [B, T, V]
         return logits[:, :-1].float()  # [B, T-1, V]
 
     @torch.no_grad()
     def compute_logprobs(self, tag: str, samples: list[Sample]) -> tuple[list[list[float]], float]:
-        model = self._model_for(tag)
+        self.use(tag)
         results: list[list[float]] = []
         entropy_sum, token_count = 0.0, 0.0
         for chunk in micro_batches(samples, self.settings.micro_batch_size):
             batch = self._pack(chunk)
-            logits = self._forward(model, batch)
+            logits = self._forward(batch)
             results += batch.response_values(losses.gather_logprobs(logits, batch.targets))
             entropy_sum += float((losses.entropy_from_logits(logits) * batch.response_mask).sum())
             token_count += float(batch.response_mask.sum())
@@ -128,8 +241,11 @@ class TorchTrainer:
         loss_cfg = self.settings.loss
         if not sft and loss_cfg.kl_coef > 0 and not all(s.ref_logprobs for s in samples):
             raise ValueError("batch: kl_coef > 0 but samples carry no ref_logprobs (call ComputeLogProbs with tag 'ref')")
+        self.use(ACTOR)
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
+        for p in self.params:
+            p.grad = None
         per_token = loss_cfg.loss_agg == "token_mean"
         total = sum(len(s.response_ids) for s in samples) if per_token else len(samples)
         sums: dict[str, float] = {}
@@ -140,9 +256,12 @@ class TorchTrainer:
             (loss * weight).backward()
             for key, value in metrics.items():
                 sums[key] = sums.get(key, 0.0) + value * weight
+        if self.master is not None:
+            for p, m in zip(self.params, self.master):
+                m.grad = None if p.grad is None else p.grad.float()
         clip = self.settings.optimizer.grad_clip
         grad_norm = torch.nn.utils.clip_grad_norm_(
-            self.model.parameters(), clip if clip > 0 else float("inf")
+            self.master if self.master is not None else self.params, clip if clip > 0 else float("inf")
         )
         sums["grad_norm"] = float(grad_norm)
         scheduled = [group["lr"] for group in self.optimizer.param_groups]
@@ -156,14 +275,19 @@ class TorchTrainer:
         else:
             for group, value in zip(self.optimizer.param_groups, scheduled):
                 group["lr"] = value
+        if self.master is not None:
+            with torch.no_grad():
+                for p, m in zip(self.params, self.master):
+                    p.copy_(m)
         self.step += 1
         self.weights_version += 1
+        self._device_holds = (ACTOR, self.weights_version)
         sums["train_step_s"] = time.perf_counter() - started
         return StepResult(sums, self.weights_version, self.step)
 
     def _micro_batch_loss(self, batch: PackedBatch, sft: bool) -> tuple[torch.Tensor, dict[str, float]]:
         cfg = self.settings.loss
-        logits = self._forward(self.model, batch)
+        logits = self._forward(batch)
         if sft:
             loss = losses.sft_loss(logits, batch.targets, batch.response_mask, cfg.loss_agg)
             return loss, {"loss": loss.item(), "sft_loss": loss.item()}

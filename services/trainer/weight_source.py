@@ -1,8 +1,9 @@
-"""Packs the trainer's current weights into fingerprinted host buckets for the pull planes.
+"""Serves the trainer's weights to the pull planes as fingerprinted buckets.
 
-A snapshot is taken once per (weights version, fingerprint algorithm) and reused by every engine
-that pulls that version, so all engines receive exactly the bytes the manifest describes even if
-training moves on while a slow engine is still reading.
+A snapshot is taken once per (weights version, source, fingerprint algorithm) and reused by every
+engine that pulls that version, so all engines receive exactly the bytes the manifest describes.
+When the sync reads the host store, the snapshot *is* the host actor copy's buckets (no packing,
+no copy); when it reads live weights, they are packed into host buckets once.
 """
 
 from __future__ import annotations
@@ -13,8 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from services.weights.apply import named_weights
-from services.weights.buckets import Manifest, pack_bucket, plan_buckets
+from services.trainer.host_store import HostCopy
+from services.weights.buckets import BucketSpec, Manifest, pack_bucket, plan_buckets
 from services.weights.fingerprint import fingerprint
 
 DEFAULT_FINGERPRINT = "fast"
@@ -31,14 +32,30 @@ class WeightSource:
         self._bucket_bytes = bucket_bytes
         self._lock = threading.Lock()
         self._snapshot: Snapshot | None = None
-        self._key: tuple[int, str] | None = None
+        self._key: tuple | None = None
 
-    def snapshot(self, module: torch.nn.Module, version: int, algo: str = "", source: str = "gpu") -> Snapshot:
+    def snapshot(
+        self,
+        weights: HostCopy | dict[str, torch.Tensor],
+        layout: list[BucketSpec] | None,
+        version: int,
+        source: str,
+        algo: str = "",
+    ) -> Snapshot:
+        """`weights` is a host copy laid out as `layout`, or live named tensors (layout None)."""
         algo = algo or DEFAULT_FINGERPRINT
+        key = (version, source, algo)
         with self._lock:
-            if self._key != (version, algo):
-                self._snapshot = self._take(module, version, algo, source)
-                self._key = (version, algo)
+            if self._key != key:
+                if isinstance(weights, HostCopy):
+                    specs, buffers = layout, weights.buffers
+                else:
+                    specs = plan_buckets(list(weights.items()), self._bucket_bytes)
+                    with torch.no_grad():
+                        buffers = [pack_bucket(spec, weights).cpu() for spec in specs]
+                buckets = tuple(dataclasses.replace(s, fingerprint=fingerprint(b, algo)) for s, b in zip(specs, buffers))
+                manifest = Manifest(version=version, source=source, buckets=buckets, fingerprint_algo=algo)
+                self._snapshot, self._key = Snapshot(manifest, buffers), key
             return self._snapshot
 
     def current(self, version: int) -> Snapshot | None:
@@ -46,15 +63,3 @@ class WeightSource:
             if self._snapshot is not None and self._snapshot.manifest.version == version:
                 return self._snapshot
             return None
-
-    def _take(self, module: torch.nn.Module, version: int, algo: str, source: str) -> Snapshot:
-        named = named_weights(module)
-        tensors = dict(named)
-        buckets, buffers = [], []
-        with torch.no_grad():
-            for spec in plan_buckets(named, self._bucket_bytes):
-                flat = pack_bucket(spec, tensors).cpu()
-                buffers.append(flat)
-                buckets.append(dataclasses.replace(spec, fingerprint=fingerprint(flat, algo)))
-        manifest = Manifest(version=version, source=source, buckets=tuple(buckets), fingerprint_algo=algo)
-        return Snapshot(manifest, buffers)

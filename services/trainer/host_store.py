@@ -1,0 +1,118 @@
+"""The host store: one host copy of the weights per tag, laid out as the weight-sync buckets.
+
+Each tag (`actor`, `ref`, `old_actor`, `teacher`) gets flat uint8 host buffers allocated once and
+reused for every capture, pinned when CUDA is present so device<->host copies run at full speed
+and asynchronously. Because the layout is the sync bucket layout, a weight sync that reads the
+host copy serves these buffers as they are: no packing, no extra copy.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+import torch
+
+from services.weights.buckets import BucketSpec, plan_buckets, unpack_bucket
+
+ACTOR = "actor"
+
+
+@dataclass
+class HostCopy:
+    buffers: list[torch.Tensor]           # flat uint8 per bucket
+    views: dict[str, torch.Tensor]        # name -> typed view into its bucket
+    version: int = -1                     # weights version captured; -1 = never
+
+
+@dataclass
+class CopyStats:
+    """Bytes moved by the store, so tests and benchmarks can see what a switch really cost."""
+
+    bytes_captured: int = 0
+    bytes_restored: int = 0
+    restores: dict[str, int] = field(default_factory=dict)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class HostStore:
+    def __init__(self, named: list[tuple[str, torch.Tensor]], bucket_bytes: int):
+        self.layout: list[BucketSpec] = plan_buckets(named, bucket_bytes)
+        self.pinned = torch.cuda.is_available()
+        self.stats = CopyStats()
+        self._copies: dict[str, HostCopy] = {}
+        self._lock = threading.Lock()
+
+    @property
+    def tags(self) -> list[str]:
+        return list(self._copies)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.numel() for c in self._copies.values() for b in c.buffers)
+
+    def version(self, tag: str) -> int:
+        copy = self._copies.get(tag)
+        return -1 if copy is None else copy.version
+
+    def get(self, tag: str) -> HostCopy:
+        if tag not in self._copies:
+            raise KeyError(f"tag {tag!r} has no host copy (have: {', '.join(self._copies) or 'none'})")
+        return self._copies[tag]
+
+    def _ensure(self, tag: str) -> HostCopy:
+        copy = self._copies.get(tag)
+        if copy is None:
+            # zeroed: alignment gaps must read as zeros, exactly as pack_bucket lays them out
+            buffers = [torch.zeros(b.nbytes, dtype=torch.uint8, pin_memory=self.pinned) for b in self.layout]
+            views = {}
+            for spec, flat in zip(self.layout, buffers):
+                views.update(unpack_bucket(spec, flat))
+            copy = self._copies[tag] = HostCopy(buffers, views)
+        return copy
+
+    def capture(self, tag: str, tensors: dict[str, torch.Tensor], version: int) -> int:
+        """Copy device tensors into the tag's host copy (allocating it the first time)."""
+        with self._lock:
+            copy = self._ensure(tag)
+            moved = 0
+            device = torch.device("cpu")
+            with torch.no_grad():
+                for name, view in copy.views.items():
+                    src = tensors[name]
+                    device = src.device
+                    view.copy_(src.detach(), non_blocking=self.pinned)
+                    moved += view.numel() * view.element_size()
+            _sync(device)
+            copy.version = version
+            self.stats.bytes_captured += moved
+            return moved
+
+    def restore(self, tag: str, tensors: dict[str, torch.Tensor]) -> int:
+        """Copy the tag's host values into device tensors of the same names and shapes."""
+        with self._lock:
+            copy = self.get(tag)
+            moved = 0
+            device = torch.device("cpu")
+            with torch.no_grad():
+                for name, view in copy.views.items():
+                    dst = tensors[name]
+                    device = dst.device
+                    dst.copy_(view, non_blocking=self.pinned)
+                    moved += view.numel() * view.element_size()
+            _sync(device)
+            self.stats.bytes_restored += moved
+            self.stats.restores[tag] = self.stats.restores.get(tag, 0) + 1
+            return moved
+
+    def load_bytes_into(self, tag: str, other: "HostCopy") -> None:
+        """Make `tag` a host-side copy of another host copy (old_actor <- actor)."""
+        with self._lock:
+            copy = self._ensure(tag)
+            for dst, src in zip(copy.buffers, other.buffers):
+                dst.copy_(src)
+            copy.version = other.version
