@@ -75,8 +75,11 @@ class HostStore:
             copy = self._copies[tag] = HostCopy(buffers, views)
         return copy
 
-    def capture(self, tag: str, tensors: dict[str, torch.Tensor], version: int) -> int:
-        """Copy device tensors into the tag's host copy (allocating it the first time)."""
+    def capture(self, tag: str, tensors: dict[str, torch.Tensor], version: int, *, wait: bool = True) -> int:
+        """Copy device tensors into the tag's host copy (allocating it the first time).
+
+        With `wait=False` the copies may still be in flight on return: the caller synchronises
+        (Sleep queues the optimizer-state copies behind these and waits once)."""
         with self._lock:
             copy = self._ensure(tag)
             moved = 0
@@ -87,7 +90,8 @@ class HostStore:
                     device = src.device
                     view.copy_(src.detach(), non_blocking=self.pinned)
                     moved += view.numel() * view.element_size()
-            _sync(device)
+            if wait:
+                _sync(device)
             copy.version = version
             self.stats.bytes_captured += moved
             return moved

@@ -36,7 +36,10 @@ class Offloader:
         return sum(t.numel() for t in self._host.values())
 
     def release(self, state_tensors: list[torch.Tensor]) -> None:
-        """Copy optimizer state to the host, then free params, grads and state on the device."""
+        """Copy optimizer state to the host, then free params, grads and state on the device.
+
+        Copies already queued on the current stream (the host store's capture of the weights)
+        finish before anything is freed: one synchronisation covers them all."""
         state = self._offloadable(state_tensors)
         with torch.no_grad():
             for t in state:

@@ -141,16 +141,16 @@ class TorchTrainer:
             self.store = HostStore(list(self.named.items()), self.settings.bucket_bytes)
         return self.store
 
-    def _capture_actor(self) -> None:
+    def _capture_actor(self, wait: bool = True) -> None:
         """Make the host actor copy current (only ever called while the device holds the actor)."""
         store = self._ensure_store()
         if store.version(ACTOR) != self.weights_version:
-            store.capture(ACTOR, self.named, self.weights_version)
+            store.capture(ACTOR, self.named, self.weights_version, wait=wait)
 
     def sleep(self) -> LifecycleState:
         if not self.asleep:
             if self.active_tag == ACTOR:
-                self._capture_actor()
+                self._capture_actor(wait=False)  # release() waits once for these and its own copies
             self.offloader.release(self._state_tensors())
             self.asleep, self._device_holds = True, None
         return self.lifecycle()
