@@ -167,3 +167,17 @@ def _split_shards(
         shards[-1][name] = tensor
         size += nbytes
     return shards
+
+
+TRAINER_STATE_FILE = "trainer_state.json"
+
+
+def checkpoint_step(path: str | os.PathLike) -> int:
+    """The training step an rlfleet checkpoint was saved at; 0 for a plain Hugging Face folder."""
+    state_file = Path(path) / TRAINER_STATE_FILE
+    if not state_file.exists():
+        return 0
+    try:
+        return int(json.loads(state_file.read_text())["step"])
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{state_file}: not a valid trainer state file ({e})") from e

@@ -59,6 +59,11 @@ class HostStore:
         copy = self._copies.get(tag)
         return -1 if copy is None else copy.version
 
+    def invalidate(self, tag: str) -> None:
+        """Forget what the tag's copy holds (its buffers stay allocated for the next capture)."""
+        if tag in self._copies:
+            self._copies[tag].version = -1
+
     def get(self, tag: str) -> HostCopy:
         if tag not in self._copies:
             raise KeyError(f"tag {tag!r} has no host copy (have: {', '.join(self._copies) or 'none'})")

@@ -192,15 +192,22 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         )
 
     def SaveCheckpoint(self, request, context):
-        from services.models import save_hf_dir
-
         with self._lock, rpc.abort_on(context, _ERRORS):
             trainer = self._require(context)
             if not request.path:
                 raise ValueError("path: required")
-            trainer.use("actor")  # a sleeping trainer or another active tag: bring the actor back first
-            save_hf_dir(trainer.model, trainer.model_config, request.path)
+            trainer.save_checkpoint(request.path, include_optimizer=request.include_optimizer)
+            log.info("saved checkpoint of step %d to %s", trainer.step, request.path)
             return trainer_pb2.SaveCheckpointResponse(path=request.path, step=trainer.step)
+
+    def LoadCheckpoint(self, request, context):
+        with self._lock, rpc.abort_on(context, _ERRORS):
+            trainer = self._require(context)
+            if not request.path:
+                raise ValueError("path: required")
+            trainer.load_checkpoint(request.path, load_optimizer=request.load_optimizer)
+            log.info("loaded checkpoint of step %d from %s", trainer.step, request.path)
+            return trainer_pb2.LoadCheckpointResponse(step=trainer.step, status=self._status())
 
 
 def build_server(address: str = "127.0.0.1:0", token: str | None = None) -> rpc.Server:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from services.models import load_hf_dir
-from services.trainer import losses
+from services.trainer import checkpoint, losses
 from services.trainer.batch import PackedBatch, Sample, micro_batches, pack
 from services.trainer.host_store import ACTOR, HostCopy, HostStore
 from services.trainer.offload import Offloader
@@ -210,6 +210,38 @@ class TorchTrainer:
             else:
                 self.store.capture("old_actor", weights, self.weights_version)
         return source, weights
+
+    # ---- checkpoints -------------------------------------------------------------------------
+    def save_checkpoint(self, path: str, *, include_optimizer: bool) -> None:
+        checkpoint.save(self, path, include_optimizer=include_optimizer)
+
+    def load_checkpoint(self, path: str, *, load_optimizer: bool) -> None:
+        """Load weights (and, unless eval-only, optimizer state when asked) from a checkpoint."""
+        self.use(ACTOR)
+        _, loaded = load_hf_dir(path, dtype=parse_dtype(self.settings.dtype), device=self.device)
+        source = dict(named_weights(loaded))
+        extra = sorted(set(source) - set(self.named))
+        if extra:
+            raise checkpoint.CheckpointError(f"checkpoint {path}: tensor {extra[0]!r} does not belong to this model")
+        for name, target in self.named.items():
+            if name not in source:
+                raise checkpoint.CheckpointError(f"checkpoint {path}: tensor {name!r} is missing")
+            if source[name].shape != target.shape:
+                raise checkpoint.CheckpointError(
+                    f"checkpoint {path}: tensor {name!r} is {list(source[name].shape)}, the model has {list(target.shape)}"
+                )
+        state = checkpoint.read_state(path)
+        if load_optimizer and self.optimizer is not None:  # eval-only: never opened, never read
+            checkpoint.load_optimizer(self, path)
+        with torch.no_grad():
+            for name, target in self.named.items():
+                target.copy_(source[name])
+            for p, m in zip(self.params, self.master or []):
+                m.copy_(p)
+        self.step, self.weights_version = int(state["step"]), int(state["weights_version"])
+        self._device_holds = (ACTOR, self.weights_version)
+        if self.store is not None:
+            self.store.invalidate(ACTOR)
 
     # ---- compute -----------------------------------------------------------------------------
     def _pack(self, samples: list[Sample]) -> PackedBatch:
