@@ -98,9 +98,15 @@ class TrainerClient(_Client):
             )
         return reply.manifest
 
-    def save_checkpoint(self, path: str) -> int:
+    def save_checkpoint(self, path: str, *, include_optimizer: bool = True) -> int:
+        request = trainer_pb2.SaveCheckpointRequest(path=path, include_optimizer=include_optimizer)
         with self._call("SaveCheckpoint"):
-            return self._stub.SaveCheckpoint(trainer_pb2.SaveCheckpointRequest(path=path), timeout=self.deadline_s).step
+            return self._stub.SaveCheckpoint(request, timeout=self.deadline_s).step
+
+    def load_checkpoint(self, path: str, *, load_optimizer: bool = True) -> int:
+        request = trainer_pb2.LoadCheckpointRequest(path=path, load_optimizer=load_optimizer)
+        with self._call("LoadCheckpoint"):
+            return self._stub.LoadCheckpoint(request, timeout=self.deadline_s).step
 
 
 class RolloutClient(_Client):

@@ -357,7 +357,8 @@ class RLLoop:
         }
 
     def save_checkpoint(self, step: int) -> None:
-        directory = Path(self.job.checkpoint.dir) / f"step-{step:06d}"
+        base = self.job.checkpoint.dir or Path(self.job.output_dir or "runs") / "checkpoints"
+        directory = Path(base) / f"step-{step:06d}"
         self.fleet.trainers[0].save_checkpoint(str(directory))
         self.emit("checkpoint", step, {"path": str(directory)})
 
