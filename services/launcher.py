@@ -73,7 +73,12 @@ class LocalFleet:
                 time.sleep(0.05)
             child.port = json.loads(child.ready_file.read_text())["port"]
 
-    def check(self) -> None:
+    def check(self, grace_s: float = 0.0) -> None:
+        """Raise ChildFailed naming the first child that exited. With `grace_s`, wait that long
+        for one to finish dying (a killed process can close its sockets before it is reaped)."""
+        deadline = time.monotonic() + grace_s
+        while grace_s and time.monotonic() < deadline and all(c.process.poll() is None for c in self.children):
+            time.sleep(0.05)
         for child in self.children:
             code = child.process.poll()
             if code is not None:

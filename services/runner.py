@@ -84,13 +84,15 @@ def run_local(job: JobConfig, job_path: Path, args: argparse.Namespace) -> int:
     progress = None
     print(f"rlfleet: job {job.name!r} -> {output_dir}", flush=True)
     try:
-        trainers = [fleet.start("trainer", f"trainer-{i}", []) for i in range(job.trainer.num_trainers)]
+        # An eval-only job evaluates a Hugging Face folder: the engines load it, no trainer runs.
+        num_trainers = 0 if job.eval_only else job.trainer.num_trainers
+        trainers = [fleet.start("trainer", f"trainer-{i}", []) for i in range(num_trainers)]
         engines = [fleet.start("rollout", f"rollout-{i}", []) for i in range(job.rollout.num_engines)]
         fleet.wait_ready()
         fleet.start(
             "coordinator", "coordinator",
             ["--trainers", ",".join(c.address for c in trainers), "--rollouts", ",".join(c.address for c in engines),
-             "--runs-dir", str(output_dir.parent)],
+             "--runs-dir", str(output_dir.parent), "--db", "memory"],  # the coordinator lives as long as the run
         )
         fleet.wait_ready()
         coordinator = fleet.children[-1]
@@ -126,7 +128,7 @@ def run_local(job: JobConfig, job_path: Path, args: argparse.Namespace) -> int:
             progress.close()
             final = stub.GetJob(coordinator_pb2.GetJobRequest(job_id=created.id), timeout=30)
         if final.state != coordinator_pb2.JOB_STATE_SUCCEEDED:
-            fleet.check()  # a dead worker is the better explanation of a failed job
+            fleet.check(grace_s=2.0)  # a dead worker is the better explanation of a failed job
             print(f"rlfleet: job {final.id} {coordinator_pb2.JobState.Name(final.state)}: {final.error}", file=sys.stderr)
             return EXIT_FAILED
         summary = json.loads(final.summary_json)
@@ -148,6 +150,13 @@ def run_local(job: JobConfig, job_path: Path, args: argparse.Namespace) -> int:
 
 
 def _print_summary(summary: dict) -> None:
+    if summary.get("eval_only"):
+        print(f"\n== eval-only: {summary['checkpoint']} (step {summary['checkpoint_step']}) ==")
+        print(f"{'dataset':<16}{'score':>8}")
+        for name, score in summary["evals_after"].items():
+            print(f"{name:<16}{score:>8.3f}")
+        print(f"wall time {summary['wall_s']:.1f}s; results in {summary['output_dir']}/summary.json")
+        return
     print("\n== summary ==")
     print(f"job            {summary['name']}")
     print(f"steps          {summary['steps']}")

@@ -238,17 +238,19 @@ class GetRolloutStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class RolloutStatus(_message.Message):
-    __slots__ = ("configured", "weight_version", "serving", "released", "last_error", "num_parameters")
+    __slots__ = ("configured", "weight_version", "serving", "released", "last_error", "num_parameters", "checkpoint_step")
     CONFIGURED_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     SERVING_FIELD_NUMBER: _ClassVar[int]
     RELEASED_FIELD_NUMBER: _ClassVar[int]
     LAST_ERROR_FIELD_NUMBER: _ClassVar[int]
     NUM_PARAMETERS_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_STEP_FIELD_NUMBER: _ClassVar[int]
     configured: bool
     weight_version: int
     serving: bool
     released: _containers.RepeatedScalarFieldContainer[str]
     last_error: str
     num_parameters: int
-    def __init__(self, configured: _Optional[bool] = ..., weight_version: _Optional[int] = ..., serving: _Optional[bool] = ..., released: _Optional[_Iterable[str]] = ..., last_error: _Optional[str] = ..., num_parameters: _Optional[int] = ...) -> None: ...
+    checkpoint_step: int
+    def __init__(self, configured: _Optional[bool] = ..., weight_version: _Optional[int] = ..., serving: _Optional[bool] = ..., released: _Optional[_Iterable[str]] = ..., last_error: _Optional[str] = ..., num_parameters: _Optional[int] = ..., checkpoint_step: _Optional[int] = ...) -> None: ...

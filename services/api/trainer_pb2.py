@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from services.api import weights_pb2 as rlfleet_dot_v1_dot_weights__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18rlfleet/v1/trainer.proto\x12\nrlfleet.v1\x1a\x18rlfleet/v1/weights.proto\"q\n\x0fOptimizerConfig\x12\n\n\x02lr\x18\x01 \x01(\x01\x12\x14\n\x0cweight_decay\x18\x02 \x01(\x01\x12\r\n\x05\x62\x65ta1\x18\x03 \x01(\x01\x12\r\n\x05\x62\x65ta2\x18\x04 \x01(\x01\x12\x0b\n\x03\x65ps\x18\x05 \x01(\x01\x12\x11\n\tgrad_clip\x18\x06 \x01(\x01\"`\n\x0fSchedulerConfig\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x14\n\x0cwarmup_steps\x18\x02 \x01(\x03\x12\x13\n\x0b\x64\x65\x63\x61y_steps\x18\x03 \x01(\x03\x12\x14\n\x0cmin_lr_ratio\x18\x04 \x01(\x01\"\xb5\x01\n\nLossConfig\x12\x19\n\x0c\x63lip_eps_low\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x1a\n\rclip_eps_high\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x0f\n\x07kl_coef\x18\x03 \x01(\x01\x12\x14\n\x0ckl_estimator\x18\x04 \x01(\t\x12\x14\n\x0c\x65ntropy_coef\x18\x05 \x01(\x01\x12\x10\n\x08loss_agg\x18\x06 \x01(\tB\x0f\n\r_clip_eps_lowB\x10\n\x0e_clip_eps_high\"\xf3\x02\n\rTrainerConfig\x12\x12\n\nmodel_path\x18\x01 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x03 \x01(\t\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x0c\n\x04seed\x18\x05 \x01(\x03\x12.\n\toptimizer\x18\x06 \x01(\x0b\x32\x1b.rlfleet.v1.OptimizerConfig\x12.\n\tscheduler\x18\x07 \x01(\x0b\x32\x1b.rlfleet.v1.SchedulerConfig\x12$\n\x04loss\x18\x08 \x01(\x0b\x32\x16.rlfleet.v1.LossConfig\x12\x0c\n\x04tags\x18\t \x03(\t\x12\x11\n\teval_only\x18\n \x01(\x08\x12\x0f\n\x07offload\x18\x0b \x01(\x08\x12\x10\n\x08\x63olocate\x18\x0c \x01(\x08\x12\x18\n\x10micro_batch_size\x18\r \x01(\x03\x12\x14\n\x0c\x62ucket_bytes\x18\x0e \x01(\x03\x12\x16\n\x0emaster_weights\x18\x0f \x01(\t\"X\n\x17\x43onfigureTrainerRequest\x12)\n\x06\x63onfig\x18\x01 \x01(\x0b\x32\x19.rlfleet.v1.TrainerConfig\x12\x12\n\nrequest_id\x18\x02 \x01(\t\"u\n\x18\x43onfigureTrainerResponse\x12)\n\x06status\x18\x01 \x01(\x0b\x32\x19.rlfleet.v1.TrainerStatus\x12.\n\x0c\x63\x61pabilities\x18\x02 \x01(\x0b\x32\x18.rlfleet.v1.Capabilities\"\x83\x01\n\x0fLifecycleStatus\x12\x0e\n\x06\x61sleep\x18\x01 \x01(\x08\x12\x12\n\nactive_tag\x18\x02 \x01(\t\x12\x17\n\x0fweights_version\x18\x03 \x01(\x03\x12\x18\n\x10gpu_bytes_in_use\x18\x04 \x01(\x03\x12\x19\n\x11host_backup_bytes\x18\x05 \x01(\x03\"\x0e\n\x0cSleepRequest\"<\n\rSleepResponse\x12+\n\x06status\x18\x01 \x01(\x0b\x32\x1b.rlfleet.v1.LifecycleStatus\"\x0f\n\rWakeUpRequest\"=\n\x0eWakeUpResponse\x12+\n\x06status\x18\x01 \x01(\x0b\x32\x1b.rlfleet.v1.LifecycleStatus\"\x19\n\x17GetTrainerStatusRequest\"\xa7\x01\n\rTrainerStatus\x12.\n\tlifecycle\x18\x01 \x01(\x0b\x32\x1b.rlfleet.v1.LifecycleStatus\x12\x15\n\rhas_optimizer\x18\x02 \x01(\x08\x12\x15\n\rhas_scheduler\x18\x03 \x01(\x08\x12\x12\n\nconfigured\x18\x04 \x01(\x08\x12\x0c\n\x04step\x18\x05 \x01(\x03\x12\x16\n\x0enum_parameters\x18\x06 \x01(\x03\"\x98\x01\n\x06Sample\x12\x12\n\nprompt_ids\x18\x01 \x03(\x05\x12\x14\n\x0cresponse_ids\x18\x02 \x03(\x05\x12\x11\n\tloss_mask\x18\x03 \x03(\x02\x12\x11\n\tadvantage\x18\x04 \x01(\x02\x12\x12\n\nadvantages\x18\x05 \x03(\x02\x12\x14\n\x0cold_logprobs\x18\x06 \x03(\x02\x12\x14\n\x0cref_logprobs\x18\x07 \x03(\x02\",\n\x05\x42\x61tch\x12#\n\x07samples\x18\x01 \x03(\x0b\x32\x12.rlfleet.v1.Sample\"G\n\x16\x43omputeLogProbsRequest\x12\x0b\n\x03tag\x18\x01 \x01(\t\x12 \n\x05\x62\x61tch\x18\x02 \x01(\x0b\x32\x11.rlfleet.v1.Batch\"\x1f\n\rTokenLogProbs\x12\x0e\n\x06values\x18\x01 \x03(\x02\"V\n\x17\x43omputeLogProbsResponse\x12*\n\x07results\x18\x01 \x03(\x0b\x32\x19.rlfleet.v1.TokenLogProbs\x12\x0f\n\x07\x65ntropy\x18\x02 \x01(\x01\"x\n\x10TrainStepRequest\x12 \n\x05\x62\x61tch\x18\x01 \x01(\x0b\x32\x11.rlfleet.v1.Batch\x12\"\n\x04loss\x18\x02 \x01(\x0e\x32\x14.rlfleet.v1.LossKind\x12\x12\n\nrequest_id\x18\x03 \x01(\t\x12\n\n\x02lr\x18\x04 \x01(\x01\"\xa7\x01\n\x11TrainStepResponse\x12;\n\x07metrics\x18\x01 \x03(\x0b\x32*.rlfleet.v1.TrainStepResponse.MetricsEntry\x12\x17\n\x0fweights_version\x18\x02 \x01(\x03\x12\x0c\n\x04step\x18\x03 \x01(\x03\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"4\n\x18GetWeightManifestRequest\x12\x18\n\x10\x66ingerprint_algo\x18\x01 \x01(\t\"I\n\x19GetWeightManifestResponse\x12,\n\x08manifest\x18\x01 \x01(\x0b\x32\x1a.rlfleet.v1.WeightManifest\"J\n\x11GetWeightsRequest\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x0f\n\x07\x62uckets\x18\x02 \x03(\x05\x12\x13\n\x0b\x63hunk_bytes\x18\x03 \x01(\x03\"\x91\x01\n\x12PushWeightsRequest\x12&\n\x05plane\x18\x01 \x01(\x0e\x32\x17.rlfleet.v1.WeightPlane\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12.\n\tbroadcast\x18\x03 \x01(\x0b\x32\x1b.rlfleet.v1.BroadcastSource\x12\x12\n\nrequest_id\x18\x04 \x01(\t\"T\n\x13PushWeightsResponse\x12,\n\x08manifest\x18\x01 \x01(\x0b\x32\x1a.rlfleet.v1.WeightManifest\x12\x0f\n\x07seconds\x18\x02 \x01(\x01\"@\n\x15SaveCheckpointRequest\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x19\n\x11include_optimizer\x18\x02 \x01(\x08\"4\n\x16SaveCheckpointResponse\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\"=\n\x15LoadCheckpointRequest\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x16\n\x0eload_optimizer\x18\x02 \x01(\x08\"Q\n\x16LoadCheckpointResponse\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12)\n\x06status\x18\x02 \x01(\x0b\x32\x19.rlfleet.v1.TrainerStatus*N\n\x08LossKind\x12\x19\n\x15LOSS_KIND_UNSPECIFIED\x10\x00\x12\x14\n\x10LOSS_KIND_POLICY\x10\x01\x12\x11\n\rLOSS_KIND_SFT\x10\x02\x32\xff\x06\n\x07Trainer\x12V\n\tConfigure\x12#.rlfleet.v1.ConfigureTrainerRequest\x1a$.rlfleet.v1.ConfigureTrainerResponse\x12<\n\x05Sleep\x12\x18.rlfleet.v1.SleepRequest\x1a\x19.rlfleet.v1.SleepResponse\x12?\n\x06WakeUp\x12\x19.rlfleet.v1.WakeUpRequest\x1a\x1a.rlfleet.v1.WakeUpResponse\x12K\n\tGetStatus\x12#.rlfleet.v1.GetTrainerStatusRequest\x1a\x19.rlfleet.v1.TrainerStatus\x12Z\n\x0f\x43omputeLogProbs\x12\".rlfleet.v1.ComputeLogProbsRequest\x1a#.rlfleet.v1.ComputeLogProbsResponse\x12H\n\tTrainStep\x12\x1c.rlfleet.v1.TrainStepRequest\x1a\x1d.rlfleet.v1.TrainStepResponse\x12`\n\x11GetWeightManifest\x12$.rlfleet.v1.GetWeightManifestRequest\x1a%.rlfleet.v1.GetWeightManifestResponse\x12\x46\n\nGetWeights\x12\x1d.rlfleet.v1.GetWeightsRequest\x1a\x17.rlfleet.v1.WeightChunk0\x01\x12N\n\x0bPushWeights\x12\x1e.rlfleet.v1.PushWeightsRequest\x1a\x1f.rlfleet.v1.PushWeightsResponse\x12W\n\x0eSaveCheckpoint\x12!.rlfleet.v1.SaveCheckpointRequest\x1a\".rlfleet.v1.SaveCheckpointResponse\x12W\n\x0eLoadCheckpoint\x12!.rlfleet.v1.LoadCheckpointRequest\x1a\".rlfleet.v1.LoadCheckpointResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18rlfleet/v1/trainer.proto\x12\nrlfleet.v1\x1a\x18rlfleet/v1/weights.proto\"q\n\x0fOptimizerConfig\x12\n\n\x02lr\x18\x01 \x01(\x01\x12\x14\n\x0cweight_decay\x18\x02 \x01(\x01\x12\r\n\x05\x62\x65ta1\x18\x03 \x01(\x01\x12\r\n\x05\x62\x65ta2\x18\x04 \x01(\x01\x12\x0b\n\x03\x65ps\x18\x05 \x01(\x01\x12\x11\n\tgrad_clip\x18\x06 \x01(\x01\"`\n\x0fSchedulerConfig\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x14\n\x0cwarmup_steps\x18\x02 \x01(\x03\x12\x13\n\x0b\x64\x65\x63\x61y_steps\x18\x03 \x01(\x03\x12\x14\n\x0cmin_lr_ratio\x18\x04 \x01(\x01\"\xb5\x01\n\nLossConfig\x12\x19\n\x0c\x63lip_eps_low\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x1a\n\rclip_eps_high\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x0f\n\x07kl_coef\x18\x03 \x01(\x01\x12\x14\n\x0ckl_estimator\x18\x04 \x01(\t\x12\x14\n\x0c\x65ntropy_coef\x18\x05 \x01(\x01\x12\x10\n\x08loss_agg\x18\x06 \x01(\tB\x0f\n\r_clip_eps_lowB\x10\n\x0e_clip_eps_high\"\xf3\x02\n\rTrainerConfig\x12\x12\n\nmodel_path\x18\x01 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x03 \x01(\t\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x0c\n\x04seed\x18\x05 \x01(\x03\x12.\n\toptimizer\x18\x06 \x01(\x0b\x32\x1b.rlfleet.v1.OptimizerConfig\x12.\n\tscheduler\x18\x07 \x01(\x0b\x32\x1b.rlfleet.v1.SchedulerConfig\x12$\n\x04loss\x18\x08 \x01(\x0b\x32\x16.rlfleet.v1.LossConfig\x12\x0c\n\x04tags\x18\t \x03(\t\x12\x11\n\teval_only\x18\n \x01(\x08\x12\x0f\n\x07offload\x18\x0b \x01(\x08\x12\x10\n\x08\x63olocate\x18\x0c \x01(\x08\x12\x18\n\x10micro_batch_size\x18\r \x01(\x03\x12\x14\n\x0c\x62ucket_bytes\x18\x0e \x01(\x03\x12\x16\n\x0emaster_weights\x18\x0f \x01(\t\"X\n\x17\x43onfigureTrainerRequest\x12)\n\x06\x63onfig\x18\x01 \x01(\x0b\x32\x19.rlfleet.v1.TrainerConfig\x12\x12\n\nrequest_id\x18\x02 \x01(\t\"u\n\x18\x43onfigureTrainerResponse\x12)\n\x06status\x18\x01 \x01(\x0b\x32\x19.rlfleet.v1.TrainerStatus\x12.\n\x0c\x63\x61pabilities\x18\x02 \x01(\x0b\x32\x18.rlfleet.v1.Capabilities\"\x83\x01\n\x0fLifecycleStatus\x12\x0e\n\x06\x61sleep\x18\x01 \x01(\x08\x12\x12\n\nactive_tag\x18\x02 \x01(\t\x12\x17\n\x0fweights_version\x18\x03 \x01(\x03\x12\x18\n\x10gpu_bytes_in_use\x18\x04 \x01(\x03\x12\x19\n\x11host_backup_bytes\x18\x05 \x01(\x03\"\x0e\n\x0cSleepRequest\"<\n\rSleepResponse\x12+\n\x06status\x18\x01 \x01(\x0b\x32\x1b.rlfleet.v1.LifecycleStatus\"\x0f\n\rWakeUpRequest\"=\n\x0eWakeUpResponse\x12+\n\x06status\x18\x01 \x01(\x0b\x32\x1b.rlfleet.v1.LifecycleStatus\"\x19\n\x17GetTrainerStatusRequest\"\xc0\x01\n\rTrainerStatus\x12.\n\tlifecycle\x18\x01 \x01(\x0b\x32\x1b.rlfleet.v1.LifecycleStatus\x12\x15\n\rhas_optimizer\x18\x02 \x01(\x08\x12\x15\n\rhas_scheduler\x18\x03 \x01(\x08\x12\x12\n\nconfigured\x18\x04 \x01(\x08\x12\x0c\n\x04step\x18\x05 \x01(\x03\x12\x16\n\x0enum_parameters\x18\x06 \x01(\x03\x12\x17\n\x0f\x63heckpoint_step\x18\x07 \x01(\x03\"\x98\x01\n\x06Sample\x12\x12\n\nprompt_ids\x18\x01 \x03(\x05\x12\x14\n\x0cresponse_ids\x18\x02 \x03(\x05\x12\x11\n\tloss_mask\x18\x03 \x03(\x02\x12\x11\n\tadvantage\x18\x04 \x01(\x02\x12\x12\n\nadvantages\x18\x05 \x03(\x02\x12\x14\n\x0cold_logprobs\x18\x06 \x03(\x02\x12\x14\n\x0cref_logprobs\x18\x07 \x03(\x02\",\n\x05\x42\x61tch\x12#\n\x07samples\x18\x01 \x03(\x0b\x32\x12.rlfleet.v1.Sample\"G\n\x16\x43omputeLogProbsRequest\x12\x0b\n\x03tag\x18\x01 \x01(\t\x12 \n\x05\x62\x61tch\x18\x02 \x01(\x0b\x32\x11.rlfleet.v1.Batch\"\x1f\n\rTokenLogProbs\x12\x0e\n\x06values\x18\x01 \x03(\x02\"V\n\x17\x43omputeLogProbsResponse\x12*\n\x07results\x18\x01 \x03(\x0b\x32\x19.rlfleet.v1.TokenLogProbs\x12\x0f\n\x07\x65ntropy\x18\x02 \x01(\x01\"x\n\x10TrainStepRequest\x12 \n\x05\x62\x61tch\x18\x01 \x01(\x0b\x32\x11.rlfleet.v1.Batch\x12\"\n\x04loss\x18\x02 \x01(\x0e\x32\x14.rlfleet.v1.LossKind\x12\x12\n\nrequest_id\x18\x03 \x01(\t\x12\n\n\x02lr\x18\x04 \x01(\x01\"\xa7\x01\n\x11TrainStepResponse\x12;\n\x07metrics\x18\x01 \x03(\x0b\x32*.rlfleet.v1.TrainStepResponse.MetricsEntry\x12\x17\n\x0fweights_version\x18\x02 \x01(\x03\x12\x0c\n\x04step\x18\x03 \x01(\x03\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"4\n\x18GetWeightManifestRequest\x12\x18\n\x10\x66ingerprint_algo\x18\x01 \x01(\t\"I\n\x19GetWeightManifestResponse\x12,\n\x08manifest\x18\x01 \x01(\x0b\x32\x1a.rlfleet.v1.WeightManifest\"J\n\x11GetWeightsRequest\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x0f\n\x07\x62uckets\x18\x02 \x03(\x05\x12\x13\n\x0b\x63hunk_bytes\x18\x03 \x01(\x03\"\x91\x01\n\x12PushWeightsRequest\x12&\n\x05plane\x18\x01 \x01(\x0e\x32\x17.rlfleet.v1.WeightPlane\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12.\n\tbroadcast\x18\x03 \x01(\x0b\x32\x1b.rlfleet.v1.BroadcastSource\x12\x12\n\nrequest_id\x18\x04 \x01(\t\"T\n\x13PushWeightsResponse\x12,\n\x08manifest\x18\x01 \x01(\x0b\x32\x1a.rlfleet.v1.WeightManifest\x12\x0f\n\x07seconds\x18\x02 \x01(\x01\"@\n\x15SaveCheckpointRequest\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x19\n\x11include_optimizer\x18\x02 \x01(\x08\"4\n\x16SaveCheckpointResponse\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\"=\n\x15LoadCheckpointRequest\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x16\n\x0eload_optimizer\x18\x02 \x01(\x08\"Q\n\x16LoadCheckpointResponse\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12)\n\x06status\x18\x02 \x01(\x0b\x32\x19.rlfleet.v1.TrainerStatus*N\n\x08LossKind\x12\x19\n\x15LOSS_KIND_UNSPECIFIED\x10\x00\x12\x14\n\x10LOSS_KIND_POLICY\x10\x01\x12\x11\n\rLOSS_KIND_SFT\x10\x02\x32\xff\x06\n\x07Trainer\x12V\n\tConfigure\x12#.rlfleet.v1.ConfigureTrainerRequest\x1a$.rlfleet.v1.ConfigureTrainerResponse\x12<\n\x05Sleep\x12\x18.rlfleet.v1.SleepRequest\x1a\x19.rlfleet.v1.SleepResponse\x12?\n\x06WakeUp\x12\x19.rlfleet.v1.WakeUpRequest\x1a\x1a.rlfleet.v1.WakeUpResponse\x12K\n\tGetStatus\x12#.rlfleet.v1.GetTrainerStatusRequest\x1a\x19.rlfleet.v1.TrainerStatus\x12Z\n\x0f\x43omputeLogProbs\x12\".rlfleet.v1.ComputeLogProbsRequest\x1a#.rlfleet.v1.ComputeLogProbsResponse\x12H\n\tTrainStep\x12\x1c.rlfleet.v1.TrainStepRequest\x1a\x1d.rlfleet.v1.TrainStepResponse\x12`\n\x11GetWeightManifest\x12$.rlfleet.v1.GetWeightManifestRequest\x1a%.rlfleet.v1.GetWeightManifestResponse\x12\x46\n\nGetWeights\x12\x1d.rlfleet.v1.GetWeightsRequest\x1a\x17.rlfleet.v1.WeightChunk0\x01\x12N\n\x0bPushWeights\x12\x1e.rlfleet.v1.PushWeightsRequest\x1a\x1f.rlfleet.v1.PushWeightsResponse\x12W\n\x0eSaveCheckpoint\x12!.rlfleet.v1.SaveCheckpointRequest\x1a\".rlfleet.v1.SaveCheckpointResponse\x12W\n\x0eLoadCheckpoint\x12!.rlfleet.v1.LoadCheckpointRequest\x1a\".rlfleet.v1.LoadCheckpointResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,8 +34,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_TRAINSTEPRESPONSE_METRICSENTRY']._loaded_options = None
   _globals['_TRAINSTEPRESPONSE_METRICSENTRY']._serialized_options = b'8\001'
-  _globals['_LOSSKIND']._serialized_start=2927
-  _globals['_LOSSKIND']._serialized_end=3005
+  _globals['_LOSSKIND']._serialized_start=2952
+  _globals['_LOSSKIND']._serialized_end=3030
   _globals['_OPTIMIZERCONFIG']._serialized_start=66
   _globals['_OPTIMIZERCONFIG']._serialized_end=179
   _globals['_SCHEDULERCONFIG']._serialized_start=181
@@ -61,41 +61,41 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GETTRAINERSTATUSREQUEST']._serialized_start=1338
   _globals['_GETTRAINERSTATUSREQUEST']._serialized_end=1363
   _globals['_TRAINERSTATUS']._serialized_start=1366
-  _globals['_TRAINERSTATUS']._serialized_end=1533
-  _globals['_SAMPLE']._serialized_start=1536
-  _globals['_SAMPLE']._serialized_end=1688
-  _globals['_BATCH']._serialized_start=1690
-  _globals['_BATCH']._serialized_end=1734
-  _globals['_COMPUTELOGPROBSREQUEST']._serialized_start=1736
-  _globals['_COMPUTELOGPROBSREQUEST']._serialized_end=1807
-  _globals['_TOKENLOGPROBS']._serialized_start=1809
-  _globals['_TOKENLOGPROBS']._serialized_end=1840
-  _globals['_COMPUTELOGPROBSRESPONSE']._serialized_start=1842
-  _globals['_COMPUTELOGPROBSRESPONSE']._serialized_end=1928
-  _globals['_TRAINSTEPREQUEST']._serialized_start=1930
-  _globals['_TRAINSTEPREQUEST']._serialized_end=2050
-  _globals['_TRAINSTEPRESPONSE']._serialized_start=2053
-  _globals['_TRAINSTEPRESPONSE']._serialized_end=2220
-  _globals['_TRAINSTEPRESPONSE_METRICSENTRY']._serialized_start=2174
-  _globals['_TRAINSTEPRESPONSE_METRICSENTRY']._serialized_end=2220
-  _globals['_GETWEIGHTMANIFESTREQUEST']._serialized_start=2222
-  _globals['_GETWEIGHTMANIFESTREQUEST']._serialized_end=2274
-  _globals['_GETWEIGHTMANIFESTRESPONSE']._serialized_start=2276
-  _globals['_GETWEIGHTMANIFESTRESPONSE']._serialized_end=2349
-  _globals['_GETWEIGHTSREQUEST']._serialized_start=2351
-  _globals['_GETWEIGHTSREQUEST']._serialized_end=2425
-  _globals['_PUSHWEIGHTSREQUEST']._serialized_start=2428
-  _globals['_PUSHWEIGHTSREQUEST']._serialized_end=2573
-  _globals['_PUSHWEIGHTSRESPONSE']._serialized_start=2575
-  _globals['_PUSHWEIGHTSRESPONSE']._serialized_end=2659
-  _globals['_SAVECHECKPOINTREQUEST']._serialized_start=2661
-  _globals['_SAVECHECKPOINTREQUEST']._serialized_end=2725
-  _globals['_SAVECHECKPOINTRESPONSE']._serialized_start=2727
-  _globals['_SAVECHECKPOINTRESPONSE']._serialized_end=2779
-  _globals['_LOADCHECKPOINTREQUEST']._serialized_start=2781
-  _globals['_LOADCHECKPOINTREQUEST']._serialized_end=2842
-  _globals['_LOADCHECKPOINTRESPONSE']._serialized_start=2844
-  _globals['_LOADCHECKPOINTRESPONSE']._serialized_end=2925
-  _globals['_TRAINER']._serialized_start=3008
-  _globals['_TRAINER']._serialized_end=3903
+  _globals['_TRAINERSTATUS']._serialized_end=1558
+  _globals['_SAMPLE']._serialized_start=1561
+  _globals['_SAMPLE']._serialized_end=1713
+  _globals['_BATCH']._serialized_start=1715
+  _globals['_BATCH']._serialized_end=1759
+  _globals['_COMPUTELOGPROBSREQUEST']._serialized_start=1761
+  _globals['_COMPUTELOGPROBSREQUEST']._serialized_end=1832
+  _globals['_TOKENLOGPROBS']._serialized_start=1834
+  _globals['_TOKENLOGPROBS']._serialized_end=1865
+  _globals['_COMPUTELOGPROBSRESPONSE']._serialized_start=1867
+  _globals['_COMPUTELOGPROBSRESPONSE']._serialized_end=1953
+  _globals['_TRAINSTEPREQUEST']._serialized_start=1955
+  _globals['_TRAINSTEPREQUEST']._serialized_end=2075
+  _globals['_TRAINSTEPRESPONSE']._serialized_start=2078
+  _globals['_TRAINSTEPRESPONSE']._serialized_end=2245
+  _globals['_TRAINSTEPRESPONSE_METRICSENTRY']._serialized_start=2199
+  _globals['_TRAINSTEPRESPONSE_METRICSENTRY']._serialized_end=2245
+  _globals['_GETWEIGHTMANIFESTREQUEST']._serialized_start=2247
+  _globals['_GETWEIGHTMANIFESTREQUEST']._serialized_end=2299
+  _globals['_GETWEIGHTMANIFESTRESPONSE']._serialized_start=2301
+  _globals['_GETWEIGHTMANIFESTRESPONSE']._serialized_end=2374
+  _globals['_GETWEIGHTSREQUEST']._serialized_start=2376
+  _globals['_GETWEIGHTSREQUEST']._serialized_end=2450
+  _globals['_PUSHWEIGHTSREQUEST']._serialized_start=2453
+  _globals['_PUSHWEIGHTSREQUEST']._serialized_end=2598
+  _globals['_PUSHWEIGHTSRESPONSE']._serialized_start=2600
+  _globals['_PUSHWEIGHTSRESPONSE']._serialized_end=2684
+  _globals['_SAVECHECKPOINTREQUEST']._serialized_start=2686
+  _globals['_SAVECHECKPOINTREQUEST']._serialized_end=2750
+  _globals['_SAVECHECKPOINTRESPONSE']._serialized_start=2752
+  _globals['_SAVECHECKPOINTRESPONSE']._serialized_end=2804
+  _globals['_LOADCHECKPOINTREQUEST']._serialized_start=2806
+  _globals['_LOADCHECKPOINTREQUEST']._serialized_end=2867
+  _globals['_LOADCHECKPOINTRESPONSE']._serialized_start=2869
+  _globals['_LOADCHECKPOINTRESPONSE']._serialized_end=2950
+  _globals['_TRAINER']._serialized_start=3033
+  _globals['_TRAINER']._serialized_end=3928
 # @@protoc_insertion_point(module_scope)

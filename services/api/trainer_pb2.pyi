@@ -150,20 +150,22 @@ class GetTrainerStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class TrainerStatus(_message.Message):
-    __slots__ = ("lifecycle", "has_optimizer", "has_scheduler", "configured", "step", "num_parameters")
+    __slots__ = ("lifecycle", "has_optimizer", "has_scheduler", "configured", "step", "num_parameters", "checkpoint_step")
     LIFECYCLE_FIELD_NUMBER: _ClassVar[int]
     HAS_OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
     HAS_SCHEDULER_FIELD_NUMBER: _ClassVar[int]
     CONFIGURED_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     NUM_PARAMETERS_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_STEP_FIELD_NUMBER: _ClassVar[int]
     lifecycle: LifecycleStatus
     has_optimizer: bool
     has_scheduler: bool
     configured: bool
     step: int
     num_parameters: int
-    def __init__(self, lifecycle: _Optional[_Union[LifecycleStatus, _Mapping]] = ..., has_optimizer: _Optional[bool] = ..., has_scheduler: _Optional[bool] = ..., configured: _Optional[bool] = ..., step: _Optional[int] = ..., num_parameters: _Optional[int] = ...) -> None: ...
+    checkpoint_step: int
+    def __init__(self, lifecycle: _Optional[_Union[LifecycleStatus, _Mapping]] = ..., has_optimizer: _Optional[bool] = ..., has_scheduler: _Optional[bool] = ..., configured: _Optional[bool] = ..., step: _Optional[int] = ..., num_parameters: _Optional[int] = ..., checkpoint_step: _Optional[int] = ...) -> None: ...
 
 class Sample(_message.Message):
     __slots__ = ("prompt_ids", "response_ids", "loss_mask", "advantage", "advantages", "old_logprobs", "ref_logprobs")

@@ -118,14 +118,26 @@ class RLLoop:
 
     # ---- setup -------------------------------------------------------------------------------
     def setup(self) -> None:
-        if not self.fleet.trainers:
+        """Configure the workers and give every engine the trainer's weights.
+
+        An eval-only job may run without trainers: the engines then load the checkpoint (a
+        Hugging Face folder) themselves. With trainers, they are configured eval_only (no
+        optimizer, no scheduler, no optimizer state read) and push their weights as usual.
+        """
+        if not self.fleet.trainers and not self.job.eval_only:
             raise ValueError("fleet: the job needs a trainer and none is available")
         if not self.fleet.engines:
             raise ValueError("fleet: the job needs a rollout engine and none is available")
         config = trainer_config(self.job)
+        self.checkpoint_step = 0
         for trainer in self.fleet.trainers:
             status = trainer.configure(config)
-            self.emit("log", 0, {"message": f"trainer {trainer.address} ready ({status.num_parameters} parameters)"})
+            self.checkpoint_step = status.checkpoint_step
+            self.emit(
+                "log", 0,
+                {"message": f"trainer {trainer.address} ready ({status.num_parameters} parameters, "
+                            f"optimizer: {'yes' if status.has_optimizer else 'none'})"},
+            )
         rollout_config = rollout_pb2.RolloutConfig(
             model_path=str(self.job.model),
             engine="torch",
@@ -135,9 +147,13 @@ class RLLoop:
             load_weights=True,
         )
         for engine in self.fleet.engines:
-            engine.configure(rollout_config)
+            status = engine.configure(rollout_config)
         self.fleet.in_pool = set(range(len(self.fleet.engines)))
-        self.sync_weights(step=0)
+        if self.fleet.trainers:
+            self.sync_weights(step=0)
+        else:
+            self.weights_version, self.checkpoint_step = status.weight_version, status.checkpoint_step
+            self.emit("log", 0, {"message": "no trainer: engines loaded the checkpoint themselves"})
 
     # ---- weights -----------------------------------------------------------------------------
     def sync_weights(self, step: int) -> dict:
@@ -324,6 +340,8 @@ class RLLoop:
         job = self.job
         self._rng = random.Random(job.seed)
         self.setup()
+        if job.eval_only:
+            return self._evaluate_checkpoint(started)
         if job.sft is not None:
             self.sft_stage()
         before = self.evaluate(step=0)
@@ -352,6 +370,26 @@ class RLLoop:
             "evals_before": before,
             "evals_after": scores,
             "steps": step,
+            "weights_version": self.weights_version,
+            "wall_s": time.time() - started,
+        }
+
+    def _evaluate_checkpoint(self, started: float) -> dict:
+        """Eval-only: every eval dataset once, labelled with the checkpoint's training step."""
+        scores = self.evaluate(step=self.checkpoint_step)
+        primary = self.job.eval.datasets[0].name
+        return {
+            "name": self.job.name,
+            "eval_only": True,
+            "checkpoint": str(self.job.model),
+            "checkpoint_step": self.checkpoint_step,
+            "eval_before": scores[primary],
+            "eval_after": scores[primary],
+            "eval_dataset": primary,
+            "evals_before": scores,
+            "evals_after": scores,
+            "steps": 0,
+            "trainers": len(self.fleet.trainers),
             "weights_version": self.weights_version,
             "wall_s": time.time() - started,
         }

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from services.models import load_hf_dir, load_tokenizer, memory
-from services.models.checkpoint import load_config
+from services.models.checkpoint import checkpoint_step, load_config
 from services.models.decoder import DecoderLM, init_weights
 from services.rollout.torch_engine import Generation, Sampling, generate
 from services.weights.apply import load_buckets_into, named_weights
@@ -68,6 +68,7 @@ class RolloutEngine:
             init_weights(self.model, seed=settings.seed)
         self.model.eval()
         self.tokenizer = load_tokenizer(settings.model_path)
+        self.checkpoint_step = checkpoint_step(settings.model_path) if settings.load_weights else 0
         self.weight_version = 0
         self.serving = True
         self.last_error = ""

@@ -69,6 +69,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
             released=sorted(e.released),
             last_error=e.last_error,
             num_parameters=e.num_parameters,
+            checkpoint_step=e.checkpoint_step,
         )
 
     def Configure(self, request, context):

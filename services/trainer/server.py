@@ -118,6 +118,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
             configured=True,
             step=t.step,
             num_parameters=t.num_parameters,
+            checkpoint_step=t.checkpoint_step,
         )
 
     def Configure(self, request, context):

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from services.models import load_hf_dir
+from services.models.checkpoint import checkpoint_step
 from services.trainer import checkpoint, losses
 from services.trainer.batch import PackedBatch, Sample, micro_batches, pack
 from services.trainer.host_store import ACTOR, HostCopy, HostStore
@@ -103,6 +104,7 @@ class TorchTrainer:
             self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(settings.scheduler))
         self.step = 0
         self.weights_version = 0
+        self.checkpoint_step = checkpoint_step(settings.model_path)
         self.asleep = False
         self.active_tag = ACTOR
         self.rebuilds = 0
