@@ -159,7 +159,8 @@ def make_fleet(
 
         if not discovery.wait_until(enough, wait_s):
             trainers, rollouts = discovery.trainers(), discovery.rollouts()
-            where = f" ({describe})" if describe else ""
+            last_error = getattr(discovery, "last_error", None)  # e.g. the API server was unreachable
+            where = (f" ({describe})" if describe else "") + (f"; last discovery error: {last_error}" if last_error else "")
             if len(trainers) < want_t:
                 raise ValueError(
                     f"trainer.num_trainers: job wants {want_t}, {len(trainers)} ready after {wait_s:g} s{where}"

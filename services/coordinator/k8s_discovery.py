@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import socket
 import threading
 import time
 from dataclasses import dataclass
@@ -22,7 +23,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import urllib3
-from kubernetes import client, config, watch
+from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
 from kubernetes.config.config_exception import ConfigException
 
@@ -108,6 +109,28 @@ def load_api() -> client.CoreV1Api:
     return client.CoreV1Api(client.ApiClient(configuration))
 
 
+class _Expired(Exception):
+    """The API server no longer has the watch's resourceVersion (410 Gone)."""
+
+
+def _lines(response) -> Iterator[bytes]:
+    """The non-empty lines of a streamed watch response (one JSON event each)."""
+    pending = b""
+    for chunk in response.stream(amt=None, decode_content=False):
+        pending += chunk
+        *lines, pending = pending.split(b"\n")
+        yield from (line for line in lines if line.strip())
+
+
+def _shutdown(response) -> None:
+    if response is None:
+        return
+    sock = getattr(getattr(response, "connection", None), "sock", None)
+    with contextlib.suppress(OSError):
+        if sock is not None:
+            sock.shutdown(socket.SHUT_RDWR)
+
+
 class KubernetesDiscovery:
     """Ready trainer and rollout pods of one release; call start() before use, close() after."""
 
@@ -118,8 +141,9 @@ class KubernetesDiscovery:
         self._pods: dict[str, dict[str, Any]] = {}
         self._resource_version = ""  # of the last list: the watch resumes there, so nothing falls between
         self._lock = threading.Lock()
+        self._publishing = threading.Lock()  # snapshot and publish as one step, so no stale set lands last
         self._stop = threading.Event()
-        self._watch: watch.Watch | None = None
+        self._response: Any = None  # the open watch response (urllib3), for close() to cut
         self._thread: threading.Thread | None = None
         self.last_error: DiscoveryError | None = None
 
@@ -166,11 +190,9 @@ class KubernetesDiscovery:
         self._stop.set()
         deadline = time.monotonic() + timeout_s
         while self._thread is not None and self._thread.is_alive() and time.monotonic() < deadline:
-            current = self._watch
-            if current is not None:
-                # Shuts the socket down so a blocked read returns now; repeated because a watch
-                # whose response has not arrived yet has no socket to shut.
-                current.stop()
+            # Shut the watch's socket so a blocked read returns now; repeated because a watch
+            # whose response has not arrived yet has no socket to shut.
+            _shutdown(self._response)
             self._thread.join(timeout=0.05)
 
     # ---- the watcher -----------------------------------------------------------------------------
@@ -195,36 +217,43 @@ class KubernetesDiscovery:
 
     def _follow(self) -> None:
         """One watch, until the server ends it, it goes quiet too long, or close() is called."""
-        stream = watch.Watch()
-        self._watch = stream
-        if self._stop.is_set():  # close() may have looked for a watch to stop just before this one
-            return
         with self._lock:
             since = {"resource_version": self._resource_version} if self._resource_version else {}
         try:
             with self._api_errors("watching"):
-                events = stream.stream(
-                    self._core().list_namespaced_pod,
+                response = self._core().list_namespaced_pod(
                     self.cfg.namespace,
                     label_selector=self.cfg.label_selector,
-                    **since,
+                    watch=True,
+                    allow_watch_bookmarks=True,
                     timeout_seconds=max(1, int(self.cfg.watch_timeout_s)),
+                    _preload_content=False,
                     _request_timeout=(self.cfg.request_timeout_s, self.cfg.watch_timeout_s + self.cfg.read_grace_s),
-                    deserialize=False,
+                    **since,
                 )
-                for event in events:
-                    if self._stop.is_set():
-                        return
-                    self._apply(event)
+                self._response = response
+                try:
+                    for line in _lines(response):
+                        if self._stop.is_set():
+                            return
+                        self._apply(json.loads(line))
+                except _Expired:
+                    return
+                finally:
+                    self._response = None
+                    response.close()  # never hand a half-read connection back to the pool
+                    response.release_conn()
         except DiscoveryError as e:
-            if isinstance(e.__cause__, urllib3.exceptions.ReadTimeoutError):
-                return  # a quiet watch that the server did not end: reconnect (and re-list)
+            if isinstance(e.__cause__, urllib3.exceptions.ReadTimeoutError) or self._stop.is_set():
+                return  # a quiet watch the server did not end, or close(): reconnect (and re-list) or stop
             raise
-        finally:
-            self._watch = None
 
     def _apply(self, event: dict[str, Any]) -> None:
         kind, pod = event.get("type"), event.get("object") or {}
+        if kind == "ERROR":
+            if pod.get("code") == 410:  # our resourceVersion is too old: end this watch, re-list
+                raise _Expired()
+            raise DiscoveryError(f"watching {self} failed: HTTP {pod.get('code')} {pod.get('message', '')}".rstrip())
         name = (pod.get("metadata") or {}).get("name")
         if kind not in ("ADDED", "MODIFIED", "DELETED") or not name:
             return  # BOOKMARK and anything unknown carry no pod
@@ -236,18 +265,19 @@ class KubernetesDiscovery:
         self._publish()
 
     def _publish(self) -> None:
-        ready: dict[str, list[tuple[tuple, str]]] = {role: [] for role in ROLES}
-        with self._lock:
-            pods = list(self._pods.items())
-        for name, pod in pods:
-            role = ((pod.get("metadata") or {}).get("labels") or {}).get(COMPONENT_LABEL)
-            address = pod_address(pod, self.cfg.port)
-            if role in ready and address is not None:
-                ready[role].append((rank_key(name), address))
-        trainers = [a for _, a in sorted(ready["trainer"])]
-        rollouts = [a for _, a in sorted(ready["rollout"])]
-        if self._ready.replace(trainers, rollouts):
-            log.info("ready workers of %s: trainers %s, rollouts %s", self, trainers, rollouts)
+        with self._publishing:
+            ready: dict[str, list[tuple[tuple, str]]] = {role: [] for role in ROLES}
+            with self._lock:
+                pods = list(self._pods.items())
+            for name, pod in pods:
+                role = ((pod.get("metadata") or {}).get("labels") or {}).get(COMPONENT_LABEL)
+                address = pod_address(pod, self.cfg.port)
+                if role in ready and address is not None:
+                    ready[role].append((rank_key(name), address))
+            trainers = [a for _, a in sorted(ready["trainer"])]
+            rollouts = [a for _, a in sorted(ready["rollout"])]
+            if self._ready.replace(trainers, rollouts):
+                log.info("ready workers of %s: trainers %s, rollouts %s", self, trainers, rollouts)
 
     # ---- plumbing --------------------------------------------------------------------------------
     def _core(self) -> client.CoreV1Api:

@@ -4,7 +4,8 @@ kmock's `KubernetesEmulator` serves an in-memory API on loopback but ignores `la
 lists and watches; a real API server applies it, so this subclass filters both (equality and
 `in (...)` terms, which is what rlfleet's selector uses). Two switches let tests break the API:
 `forbidden` answers lists with HTTP 403, `drop_events` swallows watch events (as a watch that
-silently lost its connection would), so only a re-list can show what changed.
+silently lost its connection would), so only a re-list can show what changed, and
+`expire_watches` makes watches fail with 410 Gone.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ def selector_matches(selector: str, labels: dict[str, str]) -> bool:
 class SelectingEmulator(kmock.KubernetesEmulator):
     forbidden = False
     drop_events = False
+    expire_watches = 0  # this many next watches answer 410 Gone (resourceVersion too old) at once
     selectors: list[str]  # every labelSelector asked for, in order (set by EmulatorThread)
 
     def _selected(self, request, obj: dict[str, Any]) -> bool:
@@ -50,6 +52,10 @@ class SelectingEmulator(kmock.KubernetesEmulator):
         return payload
 
     async def _serve_watch(self, request):
+        if self.expire_watches > 0:
+            self.expire_watches -= 1
+            yield {"type": "ERROR", "object": {"kind": "Status", "code": 410, "message": "too old resource version"}}
+            return
         async for event in super()._serve_watch(request):
             if isinstance(event, dict) and (self.drop_events or not self._selected(request, event["object"])):
                 continue

@@ -7,7 +7,8 @@ corrected by the re-list on reconnect; API and transport errors come out as Disc
 
 from __future__ import annotations
 
-import dataclasses
+import threading
+import time
 
 import pytest
 import urllib3
@@ -168,9 +169,6 @@ def test_a_job_waits_for_pods_that_become_ready(tmp_path, api, discovery):
     seen = []
     discovery.subscribe(lambda trainers, rollouts: seen.append(rollouts))
     factory = make_fleet(discovery, wait_s=WAIT_S)
-
-    import threading
-
     threading.Timer(0.3, set_ready, args=(api, "demo-rollout-0", "10.0.1.1")).start()
     fleet = factory(eval_job(tmp_path, num_engines=1))
     assert [e.address for e in fleet.engines] == ["10.0.1.1:50051"]
@@ -186,6 +184,17 @@ def test_a_reconnect_relists_and_catches_changes_the_watch_missed(cluster, api, 
     api.delete_namespaced_pod("demo-rollout-1", NS)
     assert discovery.rollouts() == ["10.0.1.1:50051", "10.0.1.2:50051"]
     until(discovery, rollouts=["10.0.1.1:50051"])  # after the next reconnect's re-list
+
+
+def test_an_expired_watch_relists_at_once(cluster, api, discovery):
+    make_pod(api, "demo-rollout-0", "rollout", ip="10.0.1.1", ready=True)
+    cluster.emulator.expire_watches = 1
+    discovery.start()
+    deadline = time.monotonic() + 1.0  # well before the 1.5 s read timeout would reconnect anyway
+    while len(cluster.emulator.selectors) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(cluster.emulator.selectors) >= 2, "410 Gone should trigger a re-list"
+    assert discovery.rollouts() == ["10.0.1.1:50051"] and discovery.last_error is None
 
 
 def test_api_errors_become_discovery_errors(cluster, api, discovery):
@@ -224,7 +233,7 @@ def test_pod_readiness_rules():
 
 def test_static_discovery_matches_the_protocol(tmp_path):
     found = StaticDiscovery(["t:1"], ["r:1", "r:2"])
-    fleet = make_fleet(found, wait_s=0)(dataclasses.replace(eval_job(tmp_path, num_engines=2)))
+    fleet = make_fleet(found, wait_s=0)(eval_job(tmp_path, num_engines=2))
     assert [e.address for e in fleet.engines] == ["r:1", "r:2"] and [t.address for t in fleet.trainers] == ["t:1"]
     for client in [*fleet.engines, *fleet.trainers]:
         client.close()

@@ -77,6 +77,9 @@ uses (trainer.optimizer, trainer.scheduler, sft) is dropped, so nothing can buil
 a zero-length LR schedule for an eval.
 */}}
 {{- define "rlfleet.jobConfig" -}}
+{{- if not .Values.job }}
+{{- fail "job: mode eval needs the job config to run (at least job.name and job.eval.datasets)" }}
+{{- end }}
 {{- $job := deepCopy .Values.job }}
 {{- if hasKey $job "model" }}
 {{- fail "job.model: leave it out; set model.path (the chart fills job.model in from it)" }}
