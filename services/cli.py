@@ -4,6 +4,7 @@
   rlfleet run examples/arith/job.yaml                  trainer + engines + coordinator as local
                                                        processes, the job with a progress bar,
                                                        metrics, a reward-curve PNG and a summary
+  rlfleet submit | status | watch | cancel | logs | results   a running coordinator's jobs (jobs_cli.py)
 
 Exit codes of `run`: 0 the job succeeded, 1 it failed, 2 the config is invalid, 3 a service
 process died, 130 interrupted.
@@ -14,10 +15,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import queue
 import sys
 import threading
-import time
 from pathlib import Path
 
 EXIT_OK, EXIT_FAILED, EXIT_CONFIG, EXIT_CHILD, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
@@ -29,10 +28,10 @@ def _read_token(path: str | None, env: str = "RLFLEET_TOKEN") -> str | None:
     return os.environ.get(env) or None
 
 
-def _write_ready(path: str | None, port: int) -> None:
+def _write_ready(path: str | None, port: int, http_port: int | None = None) -> None:
     if path:
         tmp = Path(path).with_suffix(".tmp")
-        tmp.write_text(json.dumps({"port": port, "pid": os.getpid()}))
+        tmp.write_text(json.dumps({"port": port, "pid": os.getpid(), "http_port": http_port}))
         tmp.replace(path)
 
 
@@ -57,8 +56,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         server = build_server(address, token)
     else:
         from services.coordinator.discovery import DiscoveryError
-        from services.coordinator.jobs import JobManager
-        from services.coordinator.server import build_server
+        from services.coordinator.serve import build_coordinator
 
         worker_token = _read_token(args.worker_token_file, "RLFLEET_WORKER_TOKEN")
         try:
@@ -66,10 +64,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
         except (DiscoveryError, ValueError) as e:
             log.error("cannot discover workers: %s", e)
             return EXIT_FAILED
-        manager = JobManager(make_fleet, runs_dir=Path(args.runs_dir))
-        server = build_server(manager, address, token)
+        server = build_coordinator(
+            make_fleet, host=args.host, port=args.port, token=token, db=args.db, runs_dir=Path(args.runs_dir),
+            http_port=args.http_port, max_running=args.max_running_jobs,
+        )
+        manager = server.manager
     log.info("serving on %s:%d%s", args.host, server.port, " (bearer token required)" if token else "")
-    _write_ready(args.ready_file, server.port)
+    _write_ready(args.ready_file, server.port, getattr(server, "http_port", None))
     if args.role == "coordinator" and args.job:
         code = _serve_job(manager, server, args, log)
     else:
@@ -114,25 +115,34 @@ def _serve_job(manager, server, args: argparse.Namespace, log) -> int:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    code = run_job_file(manager, Path(args.job), stop, log)
-    if not args.exit_on_finish:
+    # A long-running coordinator restarted with the same --job must not start it twice; a one-shot
+    # (--exit-on-finish) run always runs, even where an earlier run left its record in the store.
+    code = run_job_file(manager, Path(args.job), stop, log, idempotent=not args.exit_on_finish)
+    if not args.exit_on_finish:  # the job was one of many: serve on, until SIGTERM
         while not stop.wait(0.5):
             pass
+        code = EXIT_OK
     server.stop(args.grace)
     log.info("stopped")
     return code
 
 
-def run_job_file(manager, job_path: Path, stop: threading.Event, log) -> int:
+def run_job_file(manager, job_path: Path, stop: threading.Event, log, *, idempotent: bool = False) -> int:
     """Submit a job file to `manager`, follow it to the end, print its result as JSON on stdout.
 
     Returns 0 when the job succeeded, 1 when it failed or was cancelled (`stop` set, e.g. by
     SIGTERM at a Job's activeDeadlineSeconds, cancels it), 2 when the file is not a valid job.
+    With `idempotent` the file's content is the request id, so a job store that remembers it
+    returns the job it already has instead of starting a second one.
     """
+    import hashlib
+
     from services.coordinator.config import ConfigError
 
     try:
-        record = manager.create(job_path.read_text(), str(job_path.absolute().parent))
+        text = job_path.read_text()
+        request_id = "job-file-" + hashlib.sha256(text.encode()).hexdigest()[:16] if idempotent else ""
+        record = manager.create(text, str(job_path.absolute().parent), request_id)
     except (ConfigError, OSError) as e:
         log.error("invalid job %s: %s", job_path, e)
         print(json.dumps({"job": str(job_path), "state": "invalid", "error": str(e)}), flush=True)
@@ -195,6 +205,12 @@ def build_parser() -> argparse.ArgumentParser:
                        help="coordinator: how long a job waits for enough ready workers")
     serve.add_argument("--eval-trainers", type=int, default=0,
                        help="coordinator: trainers an eval-only job waits for (0: engines load the checkpoint)")
+    serve.add_argument("--http-port", type=int, default=None,
+                       help="coordinator: also serve the REST API (/v1/jobs, /openapi.json) on this port; 0 picks one")
+    serve.add_argument("--db", default="./rlfleet-jobs.db",
+                       help="coordinator: SQLite job store (jobs and events survive restarts); 'memory' keeps none")
+    serve.add_argument("--max-running-jobs", type=int, default=1,
+                       help="coordinator: jobs that run at once; the rest wait as pending")
     serve.add_argument("--job", help="coordinator: run this job file at start")
     serve.add_argument("--exit-on-finish", action="store_true",
                        help="coordinator: with --job, exit when it ends: 0 succeeded, 1 failed, 2 invalid job")
@@ -206,6 +222,10 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--summary", help="also write the summary JSON here")
     run.add_argument("--no-progress", action="store_true", help="plain log lines instead of a progress bar")
     run.set_defaults(func=cmd_run)
+
+    from services.jobs_cli import add_job_commands  # submit, status, watch, cancel, logs, results
+
+    add_job_commands(sub)
     return parser
 
 

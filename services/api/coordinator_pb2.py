@@ -24,31 +24,49 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1crlfleet/v1/coordinator.proto\x12\nrlfleet.v1\"\xdb\x01\n\x03Job\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12#\n\x05state\x18\x03 \x01(\x0e\x32\x14.rlfleet.v1.JobState\x12\x13\n\x0b\x63onfig_yaml\x18\x04 \x01(\t\x12\x0c\n\x04step\x18\x05 \x01(\x03\x12\x11\n\tnum_steps\x18\x06 \x01(\x03\x12\r\n\x05\x65rror\x18\x07 \x01(\t\x12\x12\n\ncreated_at\x18\x08 \x01(\x01\x12\x12\n\nupdated_at\x18\t \x01(\x01\x12\x14\n\x0csummary_json\x18\n \x01(\t\x12\x12\n\noutput_dir\x18\x0b \x01(\t\"M\n\x10\x43reateJobRequest\x12\x13\n\x0b\x63onfig_yaml\x18\x01 \x01(\t\x12\x10\n\x08\x62\x61se_dir\x18\x02 \x01(\t\x12\x12\n\nrequest_id\x18\x03 \x01(\t\"\x1f\n\rGetJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"]\n\x0fListJobsRequest\x12\x11\n\tpage_size\x18\x01 \x01(\x05\x12\x12\n\npage_token\x18\x02 \x01(\t\x12#\n\x05state\x18\x03 \x01(\x0e\x32\x14.rlfleet.v1.JobState\"J\n\x10ListJobsResponse\x12\x1d\n\x04jobs\x18\x01 \x03(\x0b\x32\x0f.rlfleet.v1.Job\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"6\n\x10\x43\x61ncelJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\"4\n\x0fWatchJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x11\n\tafter_seq\x18\x02 \x01(\x03\"\x89\x01\n\x08JobEvent\x12\x0b\n\x03seq\x18\x01 \x01(\x03\x12\x0e\n\x06job_id\x18\x02 \x01(\t\x12\x0c\n\x04kind\x18\x03 \x01(\t\x12\x0c\n\x04time\x18\x04 \x01(\x01\x12#\n\x05state\x18\x05 \x01(\x0e\x32\x14.rlfleet.v1.JobState\x12\x0c\n\x04step\x18\x06 \x01(\x03\x12\x11\n\tdata_json\x18\x07 \x01(\t*\x9b\x01\n\x08JobState\x12\x19\n\x15JOB_STATE_UNSPECIFIED\x10\x00\x12\x15\n\x11JOB_STATE_PENDING\x10\x01\x12\x15\n\x11JOB_STATE_RUNNING\x10\x02\x12\x17\n\x13JOB_STATE_SUCCEEDED\x10\x03\x12\x14\n\x10JOB_STATE_FAILED\x10\x04\x12\x17\n\x13JOB_STATE_CANCELLED\x10\x05\x32\xc3\x02\n\x0b\x43oordinator\x12:\n\tCreateJob\x12\x1c.rlfleet.v1.CreateJobRequest\x1a\x0f.rlfleet.v1.Job\x12\x34\n\x06GetJob\x12\x19.rlfleet.v1.GetJobRequest\x1a\x0f.rlfleet.v1.Job\x12\x45\n\x08ListJobs\x12\x1b.rlfleet.v1.ListJobsRequest\x1a\x1c.rlfleet.v1.ListJobsResponse\x12:\n\tCancelJob\x12\x1c.rlfleet.v1.CancelJobRequest\x1a\x0f.rlfleet.v1.Job\x12?\n\x08WatchJob\x12\x1b.rlfleet.v1.WatchJobRequest\x1a\x14.rlfleet.v1.JobEvent0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1crlfleet/v1/coordinator.proto\x12\nrlfleet.v1\"\x9b\x02\n\x03Job\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12#\n\x05state\x18\x03 \x01(\x0e\x32\x14.rlfleet.v1.JobState\x12\x13\n\x0b\x63onfig_yaml\x18\x04 \x01(\t\x12\x0c\n\x04step\x18\x05 \x01(\x03\x12\x11\n\tnum_steps\x18\x06 \x01(\x03\x12\r\n\x05\x65rror\x18\x07 \x01(\t\x12\x12\n\ncreated_at\x18\x08 \x01(\x01\x12\x12\n\nupdated_at\x18\t \x01(\x01\x12\x14\n\x0csummary_json\x18\n \x01(\t\x12\x12\n\noutput_dir\x18\x0b \x01(\t\x12\x12\n\nrequest_id\x18\x0c \x01(\t\x12\x10\n\x08\x62\x61se_dir\x18\r \x01(\t\x12\x18\n\x10\x63\x61ncel_requested\x18\x0e \x01(\x08\"M\n\x10\x43reateJobRequest\x12\x13\n\x0b\x63onfig_yaml\x18\x01 \x01(\t\x12\x10\n\x08\x62\x61se_dir\x18\x02 \x01(\t\x12\x12\n\nrequest_id\x18\x03 \x01(\t\"\x1f\n\rGetJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"]\n\x0fListJobsRequest\x12\x11\n\tpage_size\x18\x01 \x01(\x05\x12\x12\n\npage_token\x18\x02 \x01(\t\x12#\n\x05state\x18\x03 \x01(\x0e\x32\x14.rlfleet.v1.JobState\"J\n\x10ListJobsResponse\x12\x1d\n\x04jobs\x18\x01 \x03(\x0b\x32\x0f.rlfleet.v1.Job\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"6\n\x10\x43\x61ncelJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\"I\n\x0fWatchJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x11\n\tafter_seq\x18\x02 \x01(\x03\x12\x13\n\x0breplay_only\x18\x03 \x01(\x08\"\x89\x01\n\x08JobEvent\x12\x0b\n\x03seq\x18\x01 \x01(\x03\x12\x0e\n\x06job_id\x18\x02 \x01(\t\x12\x0c\n\x04kind\x18\x03 \x01(\t\x12\x0c\n\x04time\x18\x04 \x01(\x01\x12#\n\x05state\x18\x05 \x01(\x0e\x32\x14.rlfleet.v1.JobState\x12\x0c\n\x04step\x18\x06 \x01(\x03\x12\x11\n\tdata_json\x18\x07 \x01(\t\"&\n\x14GetJobMetricsRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"\x90\x01\n\x0bStepMetrics\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x0c\n\x04time\x18\x02 \x01(\x01\x12\x35\n\x07metrics\x18\x03 \x03(\x0b\x32$.rlfleet.v1.StepMetrics.MetricsEntry\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\xae\x01\n\nEvalResult\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x0c\n\x04time\x18\x02 \x01(\x01\x12\x0f\n\x07\x64\x61taset\x18\x03 \x01(\t\x12\r\n\x05score\x18\x04 \x01(\x01\x12\x34\n\x07metrics\x18\x05 \x03(\x0b\x32#.rlfleet.v1.EvalResult.MetricsEntry\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"6\n\nCheckpoint\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x0c\n\x04time\x18\x02 \x01(\x01\x12\x0c\n\x04path\x18\x03 \x01(\t\"\x98\x01\n\nJobMetrics\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12&\n\x05steps\x18\x02 \x03(\x0b\x32\x17.rlfleet.v1.StepMetrics\x12%\n\x05\x65vals\x18\x03 \x03(\x0b\x32\x16.rlfleet.v1.EvalResult\x12+\n\x0b\x63heckpoints\x18\x04 \x03(\x0b\x32\x16.rlfleet.v1.Checkpoint*\x9b\x01\n\x08JobState\x12\x19\n\x15JOB_STATE_UNSPECIFIED\x10\x00\x12\x15\n\x11JOB_STATE_PENDING\x10\x01\x12\x15\n\x11JOB_STATE_RUNNING\x10\x02\x12\x17\n\x13JOB_STATE_SUCCEEDED\x10\x03\x12\x14\n\x10JOB_STATE_FAILED\x10\x04\x12\x17\n\x13JOB_STATE_CANCELLED\x10\x05\x32\x8e\x03\n\x0b\x43oordinator\x12:\n\tCreateJob\x12\x1c.rlfleet.v1.CreateJobRequest\x1a\x0f.rlfleet.v1.Job\x12\x34\n\x06GetJob\x12\x19.rlfleet.v1.GetJobRequest\x1a\x0f.rlfleet.v1.Job\x12\x45\n\x08ListJobs\x12\x1b.rlfleet.v1.ListJobsRequest\x1a\x1c.rlfleet.v1.ListJobsResponse\x12:\n\tCancelJob\x12\x1c.rlfleet.v1.CancelJobRequest\x1a\x0f.rlfleet.v1.Job\x12?\n\x08WatchJob\x12\x1b.rlfleet.v1.WatchJobRequest\x1a\x14.rlfleet.v1.JobEvent0\x01\x12I\n\rGetJobMetrics\x12 .rlfleet.v1.GetJobMetricsRequest\x1a\x16.rlfleet.v1.JobMetricsb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'rlfleet.v1.coordinator_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_JOBSTATE']._serialized_start=800
-  _globals['_JOBSTATE']._serialized_end=955
+  _globals['_STEPMETRICS_METRICSENTRY']._loaded_options = None
+  _globals['_STEPMETRICS_METRICSENTRY']._serialized_options = b'8\001'
+  _globals['_EVALRESULT_METRICSENTRY']._loaded_options = None
+  _globals['_EVALRESULT_METRICSENTRY']._serialized_options = b'8\001'
+  _globals['_JOBSTATE']._serialized_start=1460
+  _globals['_JOBSTATE']._serialized_end=1615
   _globals['_JOB']._serialized_start=45
-  _globals['_JOB']._serialized_end=264
-  _globals['_CREATEJOBREQUEST']._serialized_start=266
-  _globals['_CREATEJOBREQUEST']._serialized_end=343
-  _globals['_GETJOBREQUEST']._serialized_start=345
-  _globals['_GETJOBREQUEST']._serialized_end=376
-  _globals['_LISTJOBSREQUEST']._serialized_start=378
-  _globals['_LISTJOBSREQUEST']._serialized_end=471
-  _globals['_LISTJOBSRESPONSE']._serialized_start=473
-  _globals['_LISTJOBSRESPONSE']._serialized_end=547
-  _globals['_CANCELJOBREQUEST']._serialized_start=549
-  _globals['_CANCELJOBREQUEST']._serialized_end=603
-  _globals['_WATCHJOBREQUEST']._serialized_start=605
-  _globals['_WATCHJOBREQUEST']._serialized_end=657
-  _globals['_JOBEVENT']._serialized_start=660
-  _globals['_JOBEVENT']._serialized_end=797
-  _globals['_COORDINATOR']._serialized_start=958
-  _globals['_COORDINATOR']._serialized_end=1281
+  _globals['_JOB']._serialized_end=328
+  _globals['_CREATEJOBREQUEST']._serialized_start=330
+  _globals['_CREATEJOBREQUEST']._serialized_end=407
+  _globals['_GETJOBREQUEST']._serialized_start=409
+  _globals['_GETJOBREQUEST']._serialized_end=440
+  _globals['_LISTJOBSREQUEST']._serialized_start=442
+  _globals['_LISTJOBSREQUEST']._serialized_end=535
+  _globals['_LISTJOBSRESPONSE']._serialized_start=537
+  _globals['_LISTJOBSRESPONSE']._serialized_end=611
+  _globals['_CANCELJOBREQUEST']._serialized_start=613
+  _globals['_CANCELJOBREQUEST']._serialized_end=667
+  _globals['_WATCHJOBREQUEST']._serialized_start=669
+  _globals['_WATCHJOBREQUEST']._serialized_end=742
+  _globals['_JOBEVENT']._serialized_start=745
+  _globals['_JOBEVENT']._serialized_end=882
+  _globals['_GETJOBMETRICSREQUEST']._serialized_start=884
+  _globals['_GETJOBMETRICSREQUEST']._serialized_end=922
+  _globals['_STEPMETRICS']._serialized_start=925
+  _globals['_STEPMETRICS']._serialized_end=1069
+  _globals['_STEPMETRICS_METRICSENTRY']._serialized_start=1023
+  _globals['_STEPMETRICS_METRICSENTRY']._serialized_end=1069
+  _globals['_EVALRESULT']._serialized_start=1072
+  _globals['_EVALRESULT']._serialized_end=1246
+  _globals['_EVALRESULT_METRICSENTRY']._serialized_start=1023
+  _globals['_EVALRESULT_METRICSENTRY']._serialized_end=1069
+  _globals['_CHECKPOINT']._serialized_start=1248
+  _globals['_CHECKPOINT']._serialized_end=1302
+  _globals['_JOBMETRICS']._serialized_start=1305
+  _globals['_JOBMETRICS']._serialized_end=1457
+  _globals['_COORDINATOR']._serialized_start=1618
+  _globals['_COORDINATOR']._serialized_end=2016
 # @@protoc_insertion_point(module_scope)

@@ -59,13 +59,20 @@ class CoordinatorStub:
                 request_serializer=rlfleet_dot_v1_dot_coordinator__pb2.WatchJobRequest.SerializeToString,
                 response_deserializer=rlfleet_dot_v1_dot_coordinator__pb2.JobEvent.FromString,
                 _registered_method=True)
+        self.GetJobMetrics = channel.unary_unary(
+                '/rlfleet.v1.Coordinator/GetJobMetrics',
+                request_serializer=rlfleet_dot_v1_dot_coordinator__pb2.GetJobMetricsRequest.SerializeToString,
+                response_deserializer=rlfleet_dot_v1_dot_coordinator__pb2.JobMetrics.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
     """Missing associated documentation comment in .proto file."""
 
     def CreateJob(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """A job config (YAML; JSON is YAML too) is validated, stored and queued. INVALID_ARGUMENT names
+        the field; ALREADY_EXISTS when request_id was used before for a different config.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -77,19 +84,30 @@ class CoordinatorServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ListJobs(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Newest first.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def CancelJob(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """A pending job is cancelled at once, a running one at its next step boundary
+        (cancel_requested is set until then). FAILED_PRECONDITION when it already succeeded or failed.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def WatchJob(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Stored events after after_seq, then live ones until the job ends (unless replay_only).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetJobMetrics(self, request, context):
+        """Step metrics, eval results and checkpoints recorded so far.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -121,6 +139,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.WatchJob,
                     request_deserializer=rlfleet_dot_v1_dot_coordinator__pb2.WatchJobRequest.FromString,
                     response_serializer=rlfleet_dot_v1_dot_coordinator__pb2.JobEvent.SerializeToString,
+            ),
+            'GetJobMetrics': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetJobMetrics,
+                    request_deserializer=rlfleet_dot_v1_dot_coordinator__pb2.GetJobMetricsRequest.FromString,
+                    response_serializer=rlfleet_dot_v1_dot_coordinator__pb2.JobMetrics.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -258,6 +281,33 @@ class Coordinator:
             '/rlfleet.v1.Coordinator/WatchJob',
             rlfleet_dot_v1_dot_coordinator__pb2.WatchJobRequest.SerializeToString,
             rlfleet_dot_v1_dot_coordinator__pb2.JobEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetJobMetrics(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rlfleet.v1.Coordinator/GetJobMetrics',
+            rlfleet_dot_v1_dot_coordinator__pb2.GetJobMetricsRequest.SerializeToString,
+            rlfleet_dot_v1_dot_coordinator__pb2.JobMetrics.FromString,
             options,
             channel_credentials,
             insecure,

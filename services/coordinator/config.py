@@ -612,10 +612,16 @@ def _convert(tp: Any, value: Any, path: str, base_dir: Path, default: Any, expec
             return value
     elif tp is int:
         if isinstance(value, int) and not isinstance(value, bool):
+            if not -(2**63) <= value < 2**63:  # the job store, protobuf and torch all hold int64
+                raise ConfigError(f"{path}: {_describe(value)} is out of range (a 64-bit integer)")
             return value
     elif tp is float:
         if isinstance(value, int | float) and not isinstance(value, bool):
-            if not math.isfinite(value):
+            try:
+                finite = math.isfinite(value)
+            except OverflowError:  # an int beyond any float
+                raise ConfigError(f"{path}: expected a finite number, got {_describe(value)}") from None
+            if not finite:
                 raise ConfigError(f"{path}: expected a finite number, got {value}")
             return float(value)
     elif tp is str:

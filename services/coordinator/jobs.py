@@ -1,17 +1,31 @@
-"""Jobs as resources: create, get, list, cancel and watch, each job running its RL loop in a thread.
+"""Jobs as resources: create, get, list, cancel and watch; a queue runs each job's RL loop in a thread.
 
-The manager keeps every job's record and its ordered event log; watchers replay the log from a
-sequence number and then follow it live. Files a person wants to look at (metrics JSON lines, the
-summary, the reward-curve PNG) are written to the job's output directory as events arrive.
+Every job and every event is persisted through a `JobStore` (SQLite for `serve coordinator`,
+memory for tests) before anyone sees it, so watchers replay the stored log from a sequence
+number and then follow it live, and a restarted coordinator finds every job it had accepted.
+At most `max_running` jobs run at once (one by default: a static fleet of workers serves one job
+at a time); the rest wait `pending` in submission order. Files a person wants to look at (metrics
+JSON lines, the summary, the reward-curve PNG) are still written to the job's output directory.
+
+Restart policy: a job that was `running` when the coordinator died is marked `failed` with
+RESTART_REASON (resuming would need the trainer's weights, optimizer and sampler state and the
+step restored from a checkpoint, which the loop cannot do yet); a `pending` job never started,
+so it is queued again and runs.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
+import dataclasses
+import hashlib
 import json
+import tempfile
 import threading
 import time
 import traceback
 import uuid
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator
@@ -19,14 +33,37 @@ from typing import Callable, Iterator
 import yaml
 
 from services import rpc
-from services.coordinator.config import JobConfig, parse_job, to_dict
+from services.coordinator.config import ConfigError, JobConfig, parse_job, to_dict
 from services.coordinator.loop import JobCancelled, RLLoop
 from services.coordinator.metrics import MetricsWriter, plot_rewards
+from services.coordinator.store import (
+    CANCELLED,
+    FAILED,
+    PENDING,
+    RUNNING,
+    STATES,
+    SUCCEEDED,
+    TERMINAL,
+    DuplicateRequestId,
+    Event,
+    JobRecord,
+    JobStore,
+    MemoryJobStore,
+)
+
+__all__ = [
+    "CANCELLED", "FAILED", "PENDING", "RUNNING", "STATES", "SUCCEEDED", "TERMINAL", "Event", "JobRecord",
+    "JobManager", "JobNotFound", "RequestConflict", "JobFinished", "RESTART_REASON", "SHUTDOWN_REASON",
+]
 
 log = rpc.get_logger("coordinator")
 
-PENDING, RUNNING, SUCCEEDED, FAILED, CANCELLED = "pending", "running", "succeeded", "failed", "cancelled"
-TERMINAL = (SUCCEEDED, FAILED, CANCELLED)
+RESTART_REASON = "coordinator restarted while the job was running (no checkpoint to resume from)"
+SHUTDOWN_REASON = "coordinator stopped while the job was running (no checkpoint to resume from)"
+MAX_PAGE_SIZE = 1000
+DEFAULT_PAGE_SIZE = 50
+MAX_REQUEST_ID_CHARS = 128
+MAX_CONFIG_CHARS = 1 << 20
 
 
 class JobNotFound(KeyError):
@@ -34,152 +71,322 @@ class JobNotFound(KeyError):
         return f"job {self.args[0]!r} not found"
 
 
-@dataclass
-class Event:
-    seq: int
-    job_id: str
-    kind: str
-    time: float
-    state: str
-    step: int
-    data: dict
+class RequestConflict(Exception):
+    """A request_id was reused for a different job config (HTTP 409, gRPC ALREADY_EXISTS)."""
+
+
+class JobFinished(Exception):
+    """The job already ended, so it cannot be cancelled (HTTP 409, gRPC FAILED_PRECONDITION)."""
 
 
 @dataclass
-class JobRecord:
-    id: str
-    name: str
+class _Live:
+    """What only the running process knows about a job: its parsed config and cancel flag."""
+
     config: JobConfig
-    config_yaml: str
-    output_dir: Path
-    request_id: str = ""
-    state: str = PENDING
-    step: int = 0
-    error: str = ""
-    summary: dict = field(default_factory=dict)
-    created_at: float = field(default_factory=time.time)
-    updated_at: float = field(default_factory=time.time)
-    events: list[Event] = field(default_factory=list)
     cancel: threading.Event = field(default_factory=threading.Event)
-
-    @property
-    def num_steps(self) -> int:
-        return self.config.num_rollout
+    done: bool = False  # a terminal state is stored; later events from the loop are dropped
 
 
 class JobManager:
-    def __init__(self, make_fleet: Callable[[JobConfig], object], runs_dir: Path = Path("runs")):
+    def __init__(
+        self,
+        make_fleet: Callable[[JobConfig], object],
+        runs_dir: Path = Path("runs"),
+        store: JobStore | None = None,
+        max_running: int = 1,
+    ):
+        if max_running < 1:
+            raise ValueError(f"max_running: must be >= 1, got {max_running}")
         self._make_fleet = make_fleet
-        self._runs_dir = runs_dir
-        self._jobs: dict[str, JobRecord] = {}
-        self._by_request: dict[str, str] = {}
+        self._runs_dir = Path(runs_dir)
+        self.store: JobStore = store if store is not None else MemoryJobStore()
+        self._max_running = max_running
+        self._live: dict[str, _Live] = {}
+        self._queue: deque[str] = deque()
+        self._running: set[str] = set()
+        self._closed = False
+        # Guards the queue and every store write, and wakes watchers on each new event.
         self._cond = threading.Condition()
+        self._recover()
 
+    # ---- resources -------------------------------------------------------------------------------
     def create(self, config_yaml: str, base_dir: str, request_id: str = "") -> JobRecord:
-        with self._cond:
-            if request_id and request_id in self._by_request:
-                return self._jobs[self._by_request[request_id]]
-        config = parse_job(config_yaml, Path(base_dir or "."))  # ConfigError names the field
+        return self.submit(config_yaml, base_dir, request_id)[0]
+
+    def submit(self, config_yaml: str, base_dir: str, request_id: str = "") -> tuple[JobRecord, bool]:
+        """Validate, store and queue a job; returns (job, created). A known request_id returns its job."""
+        if len(request_id) > MAX_REQUEST_ID_CHARS:
+            raise ConfigError(f"request_id: at most {MAX_REQUEST_ID_CHARS} characters, got {len(request_id)}")
+        if "\0" in base_dir:
+            raise ConfigError("base_dir: contains a NUL character")
+        if len(config_yaml) > MAX_CONFIG_CHARS:
+            raise ConfigError(f"config_yaml: at most {MAX_CONFIG_CHARS} characters, got {len(config_yaml)}")
+        if not config_yaml.strip():
+            raise ConfigError("config_yaml: empty job config")
+        request_hash = hashlib.sha256(json.dumps([config_yaml, base_dir]).encode()).hexdigest()
+        existing = self.store.find_request(request_id) if request_id else None
+        if existing is not None:
+            return self._same_request(existing, request_hash), False
+        base = Path(base_dir or ".").absolute()
+        try:
+            config = parse_job(config_yaml, base)  # ConfigError names the field
+        except RecursionError as e:
+            raise ConfigError("job config: nested too deeply") from e
+        _check_text(request_id=request_id, base_dir=base_dir, config=to_dict(config))
         job_id = uuid.uuid4().hex[:12]
         output_dir = Path(config.output_dir) if config.output_dir else self._runs_dir / f"{config.name}-{job_id}"
+        # The job's config says where it writes (checkpoints default to <output_dir>/checkpoints).
+        config = dataclasses.replace(config, output_dir=output_dir.absolute())
+        now = time.time()
         record = JobRecord(
-            id=job_id,
-            name=config.name,
-            config=config,
-            config_yaml=yaml.safe_dump(to_dict(config), sort_keys=False),
-            output_dir=output_dir,
-            request_id=request_id,
+            id=job_id, name=config.name, config_yaml=yaml.safe_dump(to_dict(config), sort_keys=False),
+            base_dir=str(base), output_dir=str(output_dir.absolute()), num_steps=config.num_rollout,
+            created_at=now, updated_at=now, request_id=request_id, request_hash=request_hash,
         )
         with self._cond:
-            if request_id and request_id in self._by_request:  # lost a race with an identical retry
-                return self._jobs[self._by_request[request_id]]
-            self._jobs[job_id] = record
-            if request_id:
-                self._by_request[request_id] = job_id
-            self._append(record, "state", 0, {})
-        threading.Thread(target=self._run, args=(record,), name=f"job-{job_id}", daemon=True).start()
-        return record
+            try:
+                record, _ = self.store.insert_job(record, ("state", {}))
+            except DuplicateRequestId as e:  # lost a race with an identical retry
+                return self._same_request(e.existing, request_hash), False
+            self._live[job_id] = _Live(config)
+            self._queue.append(job_id)
+            self._cond.notify_all()
+            self._dispatch()
+        log.info("job %s (%s) accepted", job_id, config.name)
+        return self.get(job_id), True
 
     def get(self, job_id: str) -> JobRecord:
-        with self._cond:
-            if job_id not in self._jobs:
-                raise JobNotFound(job_id)
-            return self._jobs[job_id]
+        job = self.store.get_job(job_id)
+        if job is None:
+            raise JobNotFound(job_id)
+        return job
 
     def list(self, state: str | None = None) -> list[JobRecord]:
-        with self._cond:
-            jobs = sorted(self._jobs.values(), key=lambda j: (j.created_at, j.id))
-        return [j for j in jobs if state is None or j.state == state]
+        """Every job (newest first), optionally of one state."""
+        jobs, token = self.list_page(state, MAX_PAGE_SIZE)
+        while token:
+            page, token = self.list_page(state, MAX_PAGE_SIZE, token)
+            jobs += page
+        return jobs
 
-    def cancel(self, job_id: str) -> JobRecord:
-        record = self.get(job_id)
-        record.cancel.set()
-        with self._cond:
-            if record.state == PENDING:
-                self._set_state(record, CANCELLED, error="cancelled before it started")
-        return record
+    def list_page(self, state: str | None, page_size: int = 0, page_token: str = "") -> tuple[list[JobRecord], str]:
+        """One page of jobs, newest first, and the token of the next page ("" on the last one)."""
+        if state is not None and state not in STATES:
+            raise ValueError(f"state: expected one of {', '.join(STATES)}, got {state!r}")
+        if page_size < 0:
+            raise ValueError(f"page_size: must be >= 0, got {page_size}")
+        size = min(page_size or DEFAULT_PAGE_SIZE, MAX_PAGE_SIZE)
+        jobs, cursor = self.store.list_jobs(state, size, _decode_token(page_token) if page_token else None)
+        return jobs, ("" if cursor is None else _encode_token(cursor))
 
-    def watch(self, job_id: str, after_seq: int = 0, stop: threading.Event | None = None) -> Iterator[Event]:
-        """Events after `after_seq`, then live ones until the job ends (or `stop` is set)."""
-        record = self.get(job_id)
+    def cancel(self, job_id: str, *, strict: bool = False) -> JobRecord:
+        """Cancel a pending job now, a running one at its next step; `strict` refuses finished jobs."""
+        with self._cond:
+            job = self.get(job_id)
+            if job.state in (SUCCEEDED, FAILED):
+                if strict:
+                    raise JobFinished(f"job {job_id} already {job.state}; only pending or running jobs can be cancelled")
+                return job
+            if job.state == CANCELLED:
+                return job
+            live = self._live.get(job_id)
+            if live is not None:
+                live.cancel.set()
+            if job_id in self._queue:
+                self._queue.remove(job_id)
+                record = self._finish(job_id, CANCELLED, "cancelled before it started")
+                self._live.pop(job_id, None)  # it never gets a thread that would drop it
+                return record or self.get(job_id)
+            if not job.cancel_requested:
+                job = self._append(job_id, "log", job.step, {"message": "cancel requested; the job stops at its next step"},
+                                   {"cancel_requested": True}) or job
+        log.info("job %s: cancel requested", job_id)
+        return job
+
+    def wait_events(self, job_id: str, after_seq: int, timeout_s: float, limit: int = 500) -> tuple[list[Event], bool]:
+        """Stored events after `after_seq` (waiting up to timeout_s for one), and whether the log is complete.
+
+        `True` means the job has ended and every event was already delivered.
+        """
+        deadline = time.monotonic() + timeout_s
+        with self._cond:  # appends hold it too, so the state and the log are read as one snapshot
+            while True:
+                job = self.get(job_id)
+                events = self.store.events(job_id, after_seq, limit)
+                if events:
+                    return events, False
+                if job.state in TERMINAL:
+                    return [], True
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return [], False
+                self._cond.wait(remaining)
+
+    def watch(self, job_id: str, after_seq: int = 0, stop: threading.Event | None = None,
+              follow: bool = True) -> Iterator[Event]:
+        """Events after `after_seq`, then (with follow) live ones until the job ends or `stop` is set."""
         seq = after_seq
         while True:
-            with self._cond:
-                while len(record.events) <= seq and record.state not in TERMINAL:
-                    if stop is not None and stop.is_set():
-                        return
-                    self._cond.wait(timeout=0.5)
-                new = record.events[seq:]
-                done = record.state in TERMINAL
-            yield from new
-            seq += len(new)
-            if done and seq >= len(record.events):
+            events, done = self.wait_events(job_id, seq, 0.5 if follow else 0.0)
+            yield from events
+            if events:
+                seq = events[-1].seq
+            if done or (not events and (not follow or (stop is not None and stop.is_set()))):
                 return
 
-    # ---- running -----------------------------------------------------------------------------
-    def _run(self, record: JobRecord) -> None:
-        if record.cancel.is_set():
-            return
+    def reward_plot(self, job_id: str) -> bytes:
+        """The reward-curve PNG drawn from the stored step metrics and eval results."""
+        job = self.get(job_id)
+        with tempfile.TemporaryDirectory(prefix="rlfleet-plot-") as tmp:
+            writer = MetricsWriter(tmp)
+            for m in self.store.step_metrics(job_id):
+                writer.write_step(m.step, m.metrics, time=m.time)
+            for e in self.store.eval_results(job_id):
+                writer.write_eval(e.step, {"dataset": e.dataset, **e.metrics}, time=e.time)
+            return plot_rewards(tmp, title=f"{job.name} ({job.id}): reward").read_bytes()
+
+    def close(self, reason: str = SHUTDOWN_REASON) -> None:
+        """Stop accepting work; running jobs are told to stop and marked failed, queued ones stay pending."""
         with self._cond:
-            self._set_state(record, RUNNING)
-        record.output_dir.mkdir(parents=True, exist_ok=True)
-        writer = MetricsWriter(record.output_dir)
-        (record.output_dir / "job.yaml").write_text(record.config_yaml)
+            self._closed = True
+            for job_id in list(self._running):
+                self._live[job_id].cancel.set()
+                self._finish(job_id, FAILED, reason)
+                log.warning("job %s: %s", job_id, reason)
 
-        def emit(kind: str, step: int, data: dict) -> None:
-            if kind == "step":
-                writer.write_step(step, data)
-                record.step = step
-            elif kind == "eval":
-                writer.write_eval(step, data)
+    # ---- running ---------------------------------------------------------------------------------
+    def _dispatch(self) -> None:
+        """Start queued jobs while there is room (call with the lock held)."""
+        while self._queue and len(self._running) < self._max_running and not self._closed:
+            job_id = self._queue.popleft()
+            self._running.add(job_id)
+            threading.Thread(target=self._run, args=(job_id,), name=f"job-{job_id}", daemon=True).start()
+
+    def _run(self, job_id: str) -> None:
+        live = self._live[job_id]
+        try:
             with self._cond:
-                self._append(record, kind, step, data)
+                if live.cancel.is_set():
+                    self._finish(job_id, CANCELLED, "cancelled before it started")
+                    return
+                record = self._append(job_id, "state", 0, {}, {"state": RUNNING})
+            if record is None:
+                return
+            self._execute(record, live)
+        finally:
+            with self._cond:
+                self._running.discard(job_id)
+                self._live.pop(job_id, None)
+                self._dispatch()
 
+    def _execute(self, record: JobRecord, live: _Live) -> None:
+        output_dir = Path(record.output_dir)
         loop = None
         try:
-            loop = RLLoop(record.config, self._make_fleet(record.config), emit, record.cancel)
+            output_dir.mkdir(parents=True, exist_ok=True)
+            writer = MetricsWriter(output_dir)
+            (output_dir / "job.yaml").write_text(record.config_yaml)
+
+            def emit(kind: str, step: int, data: dict) -> None:
+                updates = None
+                if kind == "step":
+                    writer.write_step(step, data)
+                    updates = {"step": step}
+                elif kind == "eval":
+                    writer.write_eval(step, data)
+                with self._cond:
+                    self._append(record.id, kind, step, data, updates)
+
+            loop = RLLoop(live.config, self._make_fleet(live.config), emit, live.cancel)
             summary = loop.run()
-            summary["output_dir"] = str(record.output_dir)
-            summary["plot"] = str(plot_rewards(record.output_dir))
-            (record.output_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-            record.summary = summary
+            summary["output_dir"] = str(output_dir)
+            summary["plot"] = str(plot_rewards(output_dir))
+            (output_dir / "summary.json").write_text(json.dumps(summary, indent=2))
             state, error = SUCCEEDED, ""
         except JobCancelled:
-            state, error = CANCELLED, "cancelled"
+            state, error, summary = CANCELLED, "cancelled", {}
         except Exception as e:  # the job fails, the coordinator lives on
             log.error("job %s failed: %s\n%s", record.id, e, traceback.format_exc())
-            state, error = FAILED, f"{type(e).__name__}: {e}"
+            state, error, summary = FAILED, f"{type(e).__name__}: {e}", {}
         finally:
             if loop is not None:
                 loop.close()
         with self._cond:
-            self._set_state(record, state, error=error)
+            stored = self._finish(record.id, state, error, summary)
+        if stored is not None:  # None: close() already ended it
+            log.info("job %s %s%s", record.id, state, f": {error}" if error else "")
 
-    def _set_state(self, record: JobRecord, state: str, error: str = "") -> None:
-        record.state, record.error = state, error
-        self._append(record, "state", record.step, {"error": error} if error else {})
+    def _finish(self, job_id: str, state: str, error: str, summary: dict | None = None) -> JobRecord | None:
+        """Store a terminal state (with the lock held); None when the job had already ended here."""
+        live = self._live.get(job_id)
+        if live is not None and live.done:
+            return None
+        updates = {"state": state, "error": error, "cancel_requested": False}
+        if summary:
+            updates["summary"] = summary
+        record = self._append(job_id, "state", self.get(job_id).step, {"error": error} if error else {}, updates)
+        if live is not None:
+            live.done = True
+        return record
 
-    def _append(self, record: JobRecord, kind: str, step: int, data: dict) -> None:
-        record.updated_at = time.time()
-        record.events.append(Event(len(record.events) + 1, record.id, kind, record.updated_at, record.state, step, data))
+    def _append(self, job_id: str, kind: str, step: int, data: dict, updates: dict | None = None) -> JobRecord | None:
+        """Persist one event (with the lock held); None when the job already ended here."""
+        live = self._live.get(job_id)
+        if live is not None and live.done:
+            return None  # e.g. a loop still running after close() marked its job failed
+        job, _ = self.store.append_event(job_id, kind, time.time(), step, data, updates)
         self._cond.notify_all()
+        return job
+
+    # ---- restart ---------------------------------------------------------------------------------
+    def _recover(self) -> None:
+        """Apply the restart policy to jobs a previous coordinator left unfinished."""
+        with self._cond:
+            for job in self.store.unfinished_jobs():
+                if job.state == RUNNING:
+                    self._finish(job.id, FAILED, RESTART_REASON)
+                    log.warning("job %s (%s): %s", job.id, job.name, RESTART_REASON)
+                    continue
+                try:
+                    config = parse_job(job.config_yaml, job.base_dir)
+                except ConfigError as e:
+                    self._finish(job.id, FAILED, f"coordinator restarted and the job's config no longer loads: {e}")
+                    continue
+                self._live[job.id] = _Live(config)
+                self._queue.append(job.id)
+                self._append(job.id, "log", 0, {"message": "coordinator restarted; the job is still queued"})
+                log.info("job %s (%s): queued again after a restart", job.id, job.name)
+            self._dispatch()
+
+    def _same_request(self, existing: JobRecord, request_hash: str) -> JobRecord:
+        if existing.request_hash != request_hash:
+            raise RequestConflict(
+                f"request_id: {existing.request_id!r} was already used for job {existing.id} with a different "
+                "config_yaml or base_dir; use a new request_id for a new job"
+            )
+        return existing
+
+
+def _check_text(**fields) -> None:
+    """Text the store keeps must be valid Unicode (JSON or YAML escapes can smuggle in lone surrogates)."""
+    for name, value in fields.items():
+        try:
+            json.dumps(value, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            raise ConfigError(f"{name}: contains text that is not valid Unicode (a lone surrogate)") from None
+
+
+def _encode_token(cursor: int) -> str:
+    return base64.urlsafe_b64encode(f"v1:{cursor}".encode()).decode().rstrip("=")
+
+
+def _decode_token(token: str) -> int:
+    try:
+        text = base64.urlsafe_b64decode(token + "=" * (-len(token) % 4)).decode()
+        version, _, cursor = text.partition(":")
+        if version != "v1":
+            raise ValueError(version)
+        return int(cursor)
+    except (ValueError, binascii.Error, UnicodeDecodeError):
+        raise ValueError(f"page_token: not a token this coordinator issued: {token[:40]!r}") from None

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-from pathlib import Path
 
 import pytest
 
@@ -23,7 +22,7 @@ def fleet(tmp_path_factory):
         local.start(
             "coordinator", "coordinator",
             ["--trainers", trainer.address, "--rollouts", rollout.address,
-             "--runs-dir", str(tmp_path_factory.mktemp("runs"))],
+             "--runs-dir", str(tmp_path_factory.mktemp("runs")), "--db", "memory"],
         )
         local.wait_ready()
         yield local

@@ -1,0 +1,82 @@
+"""One coordinator process: job store, JobManager, gRPC server and (optionally) the REST server.
+
+`build_coordinator` wires them together for `rlfleet serve coordinator`; the object it returns
+stops them in the right order: health goes NOT_SERVING, running jobs are marked failed (so
+watchers see the end instead of hanging), REST and gRPC drain, and the store is closed last.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from services import rpc
+from services.coordinator.jobs import JobManager
+from services.coordinator.server import build_server
+from services.coordinator.store import JobStore, open_store
+
+log = rpc.get_logger("coordinator")
+DEFAULT_DB = "./rlfleet-jobs.db"
+
+
+@dataclass
+class CoordinatorService:
+    manager: JobManager
+    store: JobStore
+    grpc: rpc.Server
+    rest: object | None  # rest.RestServer; imported lazily, FastAPI is only needed with --http-port
+
+    @property
+    def port(self) -> int:
+        return self.grpc.port
+
+    @property
+    def http_port(self) -> int | None:
+        return self.rest.port if self.rest is not None else None
+
+    def set_serving(self, serving: bool) -> None:
+        self.grpc.set_serving(serving)
+
+    def stop(self, grace_s: float = 5.0) -> None:
+        self.grpc.set_serving(False)
+        self.manager.close()
+        if self.rest is not None:
+            self.rest.stop(grace_s)
+        self.grpc.stop(grace_s)
+        self.store.close()
+
+    def wait_for_termination_or_signal(self, grace_s: float = 5.0) -> None:
+        stop = threading.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: stop.set())
+        while not stop.wait(0.5):
+            pass
+        self.stop(grace_s)
+
+
+def build_coordinator(
+    make_fleet: Callable,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    token: str | None = None,
+    db: str | None = DEFAULT_DB,
+    runs_dir: Path = Path("runs"),
+    http_port: int | None = None,
+    max_running: int = 1,
+) -> CoordinatorService:
+    """Open the store (a restart applies the restart policy to unfinished jobs) and start serving."""
+    store = open_store(db)
+    manager = JobManager(make_fleet, runs_dir=runs_dir, store=store, max_running=max_running)
+    server = build_server(manager, f"{host}:{port}", token)
+    rest = None
+    if http_port is not None:
+        from services.coordinator.rest import RestServer, create_app
+
+        rest = RestServer(create_app(manager, token), host, http_port)
+        log.info("REST on http://%s:%d (OpenAPI at /openapi.json)", host, rest.port)
+    log.info("job store: %s", "memory" if db in (None, "memory") else Path(db).absolute())
+    return CoordinatorService(manager, store, server, rest)
