@@ -53,10 +53,7 @@ def raw_copy_gbps(nbytes: int) -> tuple[float, float]:
         device.copy_(host, non_blocking=True)
         torch.cuda.synchronize()
 
-    result = nbytes / median_seconds(d2h) / 1e9, nbytes / median_seconds(h2d) / 1e9
-    del device, host
-    torch.cuda.empty_cache()
-    return result
+    return nbytes / median_seconds(d2h) / 1e9, nbytes / median_seconds(h2d) / 1e9
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -81,6 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     state_bytes = sum(t.numel() * t.element_size() for t in trainer._state_tensors() if t.dim() > 0)
     moved = model_bytes + state_bytes
     d2h_limit, h2d_limit = raw_copy_gbps(min(moved, 4 << 30))
+    torch.cuda.empty_cache()
     sleeps, wakes = [], []
     for _ in range(args.repeats):
         trainer.train_step(samples)  # a new version, so sleep really captures the weights

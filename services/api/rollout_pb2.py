@@ -25,15 +25,15 @@ _sym_db = _symbol_database.Default()
 from services.api import weights_pb2 as rlfleet_dot_v1_dot_weights__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18rlfleet/v1/rollout.proto\x12\nrlfleet.v1\x1a\x18rlfleet/v1/weights.proto\"\x8e\x01\n\rRolloutConfig\x12\x12\n\nmodel_path\x18\x01 \x01(\t\x12\x0e\n\x06\x65ngine\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x03 \x01(\t\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x0c\n\x04seed\x18\x05 \x01(\x03\x12\x16\n\x0emax_batch_size\x18\x06 \x01(\x03\x12\x14\n\x0cload_weights\x18\x07 \x01(\x08\"X\n\x17\x43onfigureRolloutRequest\x12)\n\x06\x63onfig\x18\x01 \x01(\x0b\x32\x19.rlfleet.v1.RolloutConfig\x12\x12\n\nrequest_id\x18\x02 \x01(\t\"u\n\x18\x43onfigureRolloutResponse\x12)\n\x06status\x18\x01 \x01(\x0b\x32\x19.rlfleet.v1.RolloutStatus\x12.\n\x0c\x63\x61pabilities\x18\x02 \x01(\x0b\x32\x18.rlfleet.v1.Capabilities\"\xe0\x01\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x16\n\x0emax_new_tokens\x18\x04 \x01(\x05\x12\x0c\n\x04stop\x18\x05 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x05\x12\t\n\x01n\x18\x07 \x01(\x05\x12\x11\n\x04seed\x18\x08 \x01(\x03H\x02\x88\x01\x01\x12\x12\n\nignore_eos\x18\t \x01(\x08\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seed\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xa6\x01\n\x0fGenerateRequest\x12\x0f\n\x07prompts\x18\x01 \x03(\t\x12\'\n\tinput_ids\x18\x02 \x03(\x0b\x32\x14.rlfleet.v1.TokenIds\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.rlfleet.v1.SamplingParams\x12\x17\n\x0freturn_logprobs\x18\x04 \x01(\x08\x12\x12\n\nrequest_id\x18\x05 \x01(\t\"\xb3\x01\n\nCompletion\x12\x14\n\x0cprompt_index\x18\x01 \x01(\x05\x12\x12\n\nprompt_ids\x18\x02 \x03(\x05\x12\x12\n\noutput_ids\x18\x03 \x03(\x05\x12\x0c\n\x04text\x18\x04 \x01(\t\x12\x10\n\x08logprobs\x18\x05 \x03(\x02\x12/\n\rfinish_reason\x18\x06 \x01(\x0e\x32\x18.rlfleet.v1.FinishReason\x12\x16\n\x0eweight_version\x18\x07 \x01(\x03\"S\n\x10GenerateResponse\x12\'\n\x07results\x18\x01 \x03(\x0b\x32\x16.rlfleet.v1.Completion\x12\x16\n\x0eweight_version\x18\x02 \x01(\x03\"\x99\x01\n\x1cInitWeightUpdateGroupRequest\x12\x16\n\x0emaster_address\x18\x01 \x01(\t\x12\x13\n\x0bmaster_port\x18\x02 \x01(\x05\x12\x13\n\x0brank_offset\x18\x03 \x01(\x05\x12\x12\n\nworld_size\x18\x04 \x01(\x05\x12\x12\n\ngroup_name\x18\x05 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x06 \x01(\t\"A\n\x1dInitWeightUpdateGroupResponse\x12\x0f\n\x07success\x18\x01 \x01(\x08\x12\x0f\n\x07message\x18\x02 \x01(\t\"5\n\x1f\x44\x65stroyWeightUpdateGroupRequest\x12\x12\n\ngroup_name\x18\x01 \x01(\t\"D\n DestroyWeightUpdateGroupResponse\x12\x0f\n\x07success\x18\x01 \x01(\x08\x12\x0f\n\x07message\x18\x02 \x01(\t\"\xe5\x02\n\x14UpdateWeightsRequest\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12,\n\x08manifest\x18\x02 \x01(\x0b\x32\x1a.rlfleet.v1.WeightManifest\x12.\n\x07trainer\x18\x03 \x01(\x0b\x32\x1b.rlfleet.v1.TrainerEndpointH\x00\x12\x30\n\tbroadcast\x18\x04 \x01(\x0b\x32\x1b.rlfleet.v1.BroadcastSourceH\x00\x12$\n\x03shm\x18\x05 \x01(\x0b\x32\x15.rlfleet.v1.ShmSourceH\x00\x12-\n\x08\x63uda_ipc\x18\x06 \x01(\x0b\x32\x19.rlfleet.v1.CudaIpcSourceH\x00\x12&\n\x06verify\x18\x07 \x01(\x0e\x32\x16.rlfleet.v1.VerifyMode\x12\x11\n\ttimeout_s\x18\x08 \x01(\x01\x12\x12\n\nrequest_id\x18\t \x01(\tB\x08\n\x06source\"^\n\x15UpdateWeightsResponse\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x14\n\x0c\x66ingerprints\x18\x02 \x03(\t\x12\x0f\n\x07seconds\x18\x03 \x01(\x01\x12\r\n\x05\x62ytes\x18\x04 \x01(\x03\"N\n\x1cGetWeightFingerprintsRequest\x12\x18\n\x10\x66ingerprint_algo\x18\x01 \x01(\t\x12\x14\n\x0c\x62ucket_bytes\x18\x02 \x01(\x03\"F\n\x1dGetWeightFingerprintsResponse\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x14\n\x0c\x66ingerprints\x18\x02 \x03(\t\"$\n\x14ReleaseMemoryRequest\x12\x0c\n\x04tags\x18\x01 \x03(\t\"B\n\x15ReleaseMemoryResponse\x12)\n\x06status\x18\x01 \x01(\x0b\x32\x19.rlfleet.v1.RolloutStatus\"#\n\x13ResumeMemoryRequest\x12\x0c\n\x04tags\x18\x01 \x03(\t\"A\n\x14ResumeMemoryResponse\x12)\n\x06status\x18\x01 \x01(\x0b\x32\x19.rlfleet.v1.RolloutStatus\"\x19\n\x17GetRolloutStatusRequest\"\xa3\x01\n\rRolloutStatus\x12\x12\n\nconfigured\x18\x01 \x01(\x08\x12\x16\n\x0eweight_version\x18\x02 \x01(\x03\x12\x0f\n\x07serving\x18\x03 \x01(\x08\x12\x10\n\x08released\x18\x04 \x03(\t\x12\x12\n\nlast_error\x18\x05 \x01(\t\x12\x16\n\x0enum_parameters\x18\x06 \x01(\x03\x12\x17\n\x0f\x63heckpoint_step\x18\x07 \x01(\x03*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xc7\x06\n\x07Rollout\x12V\n\tConfigure\x12#.rlfleet.v1.ConfigureRolloutRequest\x1a$.rlfleet.v1.ConfigureRolloutResponse\x12\x45\n\x08Generate\x12\x1b.rlfleet.v1.GenerateRequest\x1a\x1c.rlfleet.v1.GenerateResponse\x12l\n\x15InitWeightUpdateGroup\x12(.rlfleet.v1.InitWeightUpdateGroupRequest\x1a).rlfleet.v1.InitWeightUpdateGroupResponse\x12u\n\x18\x44\x65stroyWeightUpdateGroup\x12+.rlfleet.v1.DestroyWeightUpdateGroupRequest\x1a,.rlfleet.v1.DestroyWeightUpdateGroupResponse\x12T\n\rUpdateWeights\x12 .rlfleet.v1.UpdateWeightsRequest\x1a!.rlfleet.v1.UpdateWeightsResponse\x12l\n\x15GetWeightFingerprints\x12(.rlfleet.v1.GetWeightFingerprintsRequest\x1a).rlfleet.v1.GetWeightFingerprintsResponse\x12T\n\rReleaseMemory\x12 .rlfleet.v1.ReleaseMemoryRequest\x1a!.rlfleet.v1.ReleaseMemoryResponse\x12Q\n\x0cResumeMemory\x12\x1f.rlfleet.v1.ResumeMemoryRequest\x1a .rlfleet.v1.ResumeMemoryResponse\x12K\n\tGetStatus\x12#.rlfleet.v1.GetRolloutStatusRequest\x1a\x19.rlfleet.v1.RolloutStatusb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18rlfleet/v1/rollout.proto\x12\nrlfleet.v1\x1a\x18rlfleet/v1/weights.proto\"\x8e\x01\n\rRolloutConfig\x12\x12\n\nmodel_path\x18\x01 \x01(\t\x12\x0e\n\x06\x65ngine\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x03 \x01(\t\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x0c\n\x04seed\x18\x05 \x01(\x03\x12\x16\n\x0emax_batch_size\x18\x06 \x01(\x03\x12\x14\n\x0cload_weights\x18\x07 \x01(\x08\"X\n\x17\x43onfigureRolloutRequest\x12)\n\x06\x63onfig\x18\x01 \x01(\x0b\x32\x19.rlfleet.v1.RolloutConfig\x12\x12\n\nrequest_id\x18\x02 \x01(\t\"u\n\x18\x43onfigureRolloutResponse\x12)\n\x06status\x18\x01 \x01(\x0b\x32\x19.rlfleet.v1.RolloutStatus\x12.\n\x0c\x63\x61pabilities\x18\x02 \x01(\x0b\x32\x18.rlfleet.v1.Capabilities\"\xe0\x01\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x16\n\x0emax_new_tokens\x18\x04 \x01(\x05\x12\x0c\n\x04stop\x18\x05 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x05\x12\t\n\x01n\x18\x07 \x01(\x05\x12\x11\n\x04seed\x18\x08 \x01(\x03H\x02\x88\x01\x01\x12\x12\n\nignore_eos\x18\t \x01(\x08\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seed\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xa6\x01\n\x0fGenerateRequest\x12\x0f\n\x07prompts\x18\x01 \x03(\t\x12\'\n\tinput_ids\x18\x02 \x03(\x0b\x32\x14.rlfleet.v1.TokenIds\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.rlfleet.v1.SamplingParams\x12\x17\n\x0freturn_logprobs\x18\x04 \x01(\x08\x12\x12\n\nrequest_id\x18\x05 \x01(\t\"\xb3\x01\n\nCompletion\x12\x14\n\x0cprompt_index\x18\x01 \x01(\x05\x12\x12\n\nprompt_ids\x18\x02 \x03(\x05\x12\x12\n\noutput_ids\x18\x03 \x03(\x05\x12\x0c\n\x04text\x18\x04 \x01(\t\x12\x10\n\x08logprobs\x18\x05 \x03(\x02\x12/\n\rfinish_reason\x18\x06 \x01(\x0e\x32\x18.rlfleet.v1.FinishReason\x12\x16\n\x0eweight_version\x18\x07 \x01(\x03\"S\n\x10GenerateResponse\x12\'\n\x07results\x18\x01 \x03(\x0b\x32\x16.rlfleet.v1.Completion\x12\x16\n\x0eweight_version\x18\x02 \x01(\x03\"\xe5\x02\n\x14UpdateWeightsRequest\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12,\n\x08manifest\x18\x02 \x01(\x0b\x32\x1a.rlfleet.v1.WeightManifest\x12.\n\x07trainer\x18\x03 \x01(\x0b\x32\x1b.rlfleet.v1.TrainerEndpointH\x00\x12\x30\n\tbroadcast\x18\x04 \x01(\x0b\x32\x1b.rlfleet.v1.BroadcastSourceH\x00\x12$\n\x03shm\x18\x05 \x01(\x0b\x32\x15.rlfleet.v1.ShmSourceH\x00\x12-\n\x08\x63uda_ipc\x18\x06 \x01(\x0b\x32\x19.rlfleet.v1.CudaIpcSourceH\x00\x12&\n\x06verify\x18\x07 \x01(\x0e\x32\x16.rlfleet.v1.VerifyMode\x12\x11\n\ttimeout_s\x18\x08 \x01(\x01\x12\x12\n\nrequest_id\x18\t \x01(\tB\x08\n\x06source\"^\n\x15UpdateWeightsResponse\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x14\n\x0c\x66ingerprints\x18\x02 \x03(\t\x12\x0f\n\x07seconds\x18\x03 \x01(\x01\x12\r\n\x05\x62ytes\x18\x04 \x01(\x03\"N\n\x1cGetWeightFingerprintsRequest\x12\x18\n\x10\x66ingerprint_algo\x18\x01 \x01(\t\x12\x14\n\x0c\x62ucket_bytes\x18\x02 \x01(\x03\"F\n\x1dGetWeightFingerprintsResponse\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x14\n\x0c\x66ingerprints\x18\x02 \x03(\t\"$\n\x14ReleaseMemoryRequest\x12\x0c\n\x04tags\x18\x01 \x03(\t\"B\n\x15ReleaseMemoryResponse\x12)\n\x06status\x18\x01 \x01(\x0b\x32\x19.rlfleet.v1.RolloutStatus\"#\n\x13ResumeMemoryRequest\x12\x0c\n\x04tags\x18\x01 \x03(\t\"A\n\x14ResumeMemoryResponse\x12)\n\x06status\x18\x01 \x01(\x0b\x32\x19.rlfleet.v1.RolloutStatus\"\x19\n\x17GetRolloutStatusRequest\"\xa3\x01\n\rRolloutStatus\x12\x12\n\nconfigured\x18\x01 \x01(\x08\x12\x16\n\x0eweight_version\x18\x02 \x01(\x03\x12\x0f\n\x07serving\x18\x03 \x01(\x08\x12\x10\n\x08released\x18\x04 \x03(\t\x12\x12\n\nlast_error\x18\x05 \x01(\t\x12\x16\n\x0enum_parameters\x18\x06 \x01(\x03\x12\x17\n\x0f\x63heckpoint_step\x18\x07 \x01(\x03*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xc7\x06\n\x07Rollout\x12V\n\tConfigure\x12#.rlfleet.v1.ConfigureRolloutRequest\x1a$.rlfleet.v1.ConfigureRolloutResponse\x12\x45\n\x08Generate\x12\x1b.rlfleet.v1.GenerateRequest\x1a\x1c.rlfleet.v1.GenerateResponse\x12l\n\x15InitWeightUpdateGroup\x12(.rlfleet.v1.InitWeightUpdateGroupRequest\x1a).rlfleet.v1.InitWeightUpdateGroupResponse\x12u\n\x18\x44\x65stroyWeightUpdateGroup\x12+.rlfleet.v1.DestroyWeightUpdateGroupRequest\x1a,.rlfleet.v1.DestroyWeightUpdateGroupResponse\x12T\n\rUpdateWeights\x12 .rlfleet.v1.UpdateWeightsRequest\x1a!.rlfleet.v1.UpdateWeightsResponse\x12l\n\x15GetWeightFingerprints\x12(.rlfleet.v1.GetWeightFingerprintsRequest\x1a).rlfleet.v1.GetWeightFingerprintsResponse\x12T\n\rReleaseMemory\x12 .rlfleet.v1.ReleaseMemoryRequest\x1a!.rlfleet.v1.ReleaseMemoryResponse\x12Q\n\x0cResumeMemory\x12\x1f.rlfleet.v1.ResumeMemoryRequest\x1a .rlfleet.v1.ResumeMemoryResponse\x12K\n\tGetStatus\x12#.rlfleet.v1.GetRolloutStatusRequest\x1a\x19.rlfleet.v1.RolloutStatusb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'rlfleet.v1.rollout_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=2467
-  _globals['_FINISHREASON']._serialized_end=2587
+  _globals['_FINISHREASON']._serialized_start=2119
+  _globals['_FINISHREASON']._serialized_end=2239
   _globals['_ROLLOUTCONFIG']._serialized_start=67
   _globals['_ROLLOUTCONFIG']._serialized_end=209
   _globals['_CONFIGUREROLLOUTREQUEST']._serialized_start=211
@@ -50,34 +50,26 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_COMPLETION']._serialized_end=1021
   _globals['_GENERATERESPONSE']._serialized_start=1023
   _globals['_GENERATERESPONSE']._serialized_end=1106
-  _globals['_INITWEIGHTUPDATEGROUPREQUEST']._serialized_start=1109
-  _globals['_INITWEIGHTUPDATEGROUPREQUEST']._serialized_end=1262
-  _globals['_INITWEIGHTUPDATEGROUPRESPONSE']._serialized_start=1264
-  _globals['_INITWEIGHTUPDATEGROUPRESPONSE']._serialized_end=1329
-  _globals['_DESTROYWEIGHTUPDATEGROUPREQUEST']._serialized_start=1331
-  _globals['_DESTROYWEIGHTUPDATEGROUPREQUEST']._serialized_end=1384
-  _globals['_DESTROYWEIGHTUPDATEGROUPRESPONSE']._serialized_start=1386
-  _globals['_DESTROYWEIGHTUPDATEGROUPRESPONSE']._serialized_end=1454
-  _globals['_UPDATEWEIGHTSREQUEST']._serialized_start=1457
-  _globals['_UPDATEWEIGHTSREQUEST']._serialized_end=1814
-  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_start=1816
-  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_end=1910
-  _globals['_GETWEIGHTFINGERPRINTSREQUEST']._serialized_start=1912
-  _globals['_GETWEIGHTFINGERPRINTSREQUEST']._serialized_end=1990
-  _globals['_GETWEIGHTFINGERPRINTSRESPONSE']._serialized_start=1992
-  _globals['_GETWEIGHTFINGERPRINTSRESPONSE']._serialized_end=2062
-  _globals['_RELEASEMEMORYREQUEST']._serialized_start=2064
-  _globals['_RELEASEMEMORYREQUEST']._serialized_end=2100
-  _globals['_RELEASEMEMORYRESPONSE']._serialized_start=2102
-  _globals['_RELEASEMEMORYRESPONSE']._serialized_end=2168
-  _globals['_RESUMEMEMORYREQUEST']._serialized_start=2170
-  _globals['_RESUMEMEMORYREQUEST']._serialized_end=2205
-  _globals['_RESUMEMEMORYRESPONSE']._serialized_start=2207
-  _globals['_RESUMEMEMORYRESPONSE']._serialized_end=2272
-  _globals['_GETROLLOUTSTATUSREQUEST']._serialized_start=2274
-  _globals['_GETROLLOUTSTATUSREQUEST']._serialized_end=2299
-  _globals['_ROLLOUTSTATUS']._serialized_start=2302
-  _globals['_ROLLOUTSTATUS']._serialized_end=2465
-  _globals['_ROLLOUT']._serialized_start=2590
-  _globals['_ROLLOUT']._serialized_end=3429
+  _globals['_UPDATEWEIGHTSREQUEST']._serialized_start=1109
+  _globals['_UPDATEWEIGHTSREQUEST']._serialized_end=1466
+  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_start=1468
+  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_end=1562
+  _globals['_GETWEIGHTFINGERPRINTSREQUEST']._serialized_start=1564
+  _globals['_GETWEIGHTFINGERPRINTSREQUEST']._serialized_end=1642
+  _globals['_GETWEIGHTFINGERPRINTSRESPONSE']._serialized_start=1644
+  _globals['_GETWEIGHTFINGERPRINTSRESPONSE']._serialized_end=1714
+  _globals['_RELEASEMEMORYREQUEST']._serialized_start=1716
+  _globals['_RELEASEMEMORYREQUEST']._serialized_end=1752
+  _globals['_RELEASEMEMORYRESPONSE']._serialized_start=1754
+  _globals['_RELEASEMEMORYRESPONSE']._serialized_end=1820
+  _globals['_RESUMEMEMORYREQUEST']._serialized_start=1822
+  _globals['_RESUMEMEMORYREQUEST']._serialized_end=1857
+  _globals['_RESUMEMEMORYRESPONSE']._serialized_start=1859
+  _globals['_RESUMEMEMORYRESPONSE']._serialized_end=1924
+  _globals['_GETROLLOUTSTATUSREQUEST']._serialized_start=1926
+  _globals['_GETROLLOUTSTATUSREQUEST']._serialized_end=1951
+  _globals['_ROLLOUTSTATUS']._serialized_start=1954
+  _globals['_ROLLOUTSTATUS']._serialized_end=2117
+  _globals['_ROLLOUT']._serialized_start=2242
+  _globals['_ROLLOUT']._serialized_end=3081
 # @@protoc_insertion_point(module_scope)

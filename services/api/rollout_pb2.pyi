@@ -121,44 +121,6 @@ class GenerateResponse(_message.Message):
     weight_version: int
     def __init__(self, results: _Optional[_Iterable[_Union[Completion, _Mapping]]] = ..., weight_version: _Optional[int] = ...) -> None: ...
 
-class InitWeightUpdateGroupRequest(_message.Message):
-    __slots__ = ("master_address", "master_port", "rank_offset", "world_size", "group_name", "backend")
-    MASTER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
-    MASTER_PORT_FIELD_NUMBER: _ClassVar[int]
-    RANK_OFFSET_FIELD_NUMBER: _ClassVar[int]
-    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
-    GROUP_NAME_FIELD_NUMBER: _ClassVar[int]
-    BACKEND_FIELD_NUMBER: _ClassVar[int]
-    master_address: str
-    master_port: int
-    rank_offset: int
-    world_size: int
-    group_name: str
-    backend: str
-    def __init__(self, master_address: _Optional[str] = ..., master_port: _Optional[int] = ..., rank_offset: _Optional[int] = ..., world_size: _Optional[int] = ..., group_name: _Optional[str] = ..., backend: _Optional[str] = ...) -> None: ...
-
-class InitWeightUpdateGroupResponse(_message.Message):
-    __slots__ = ("success", "message")
-    SUCCESS_FIELD_NUMBER: _ClassVar[int]
-    MESSAGE_FIELD_NUMBER: _ClassVar[int]
-    success: bool
-    message: str
-    def __init__(self, success: _Optional[bool] = ..., message: _Optional[str] = ...) -> None: ...
-
-class DestroyWeightUpdateGroupRequest(_message.Message):
-    __slots__ = ("group_name",)
-    GROUP_NAME_FIELD_NUMBER: _ClassVar[int]
-    group_name: str
-    def __init__(self, group_name: _Optional[str] = ...) -> None: ...
-
-class DestroyWeightUpdateGroupResponse(_message.Message):
-    __slots__ = ("success", "message")
-    SUCCESS_FIELD_NUMBER: _ClassVar[int]
-    MESSAGE_FIELD_NUMBER: _ClassVar[int]
-    success: bool
-    message: str
-    def __init__(self, success: _Optional[bool] = ..., message: _Optional[str] = ...) -> None: ...
-
 class UpdateWeightsRequest(_message.Message):
     __slots__ = ("version", "manifest", "trainer", "broadcast", "shm", "cuda_ipc", "verify", "timeout_s", "request_id")
     VERSION_FIELD_NUMBER: _ClassVar[int]

@@ -4,6 +4,7 @@ import grpc
 import warnings
 
 from services.api import rollout_pb2 as rlfleet_dot_v1_dot_rollout__pb2
+from services.api import weights_pb2 as rlfleet_dot_v1_dot_weights__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -46,13 +47,13 @@ class RolloutStub:
                 _registered_method=True)
         self.InitWeightUpdateGroup = channel.unary_unary(
                 '/rlfleet.v1.Rollout/InitWeightUpdateGroup',
-                request_serializer=rlfleet_dot_v1_dot_rollout__pb2.InitWeightUpdateGroupRequest.SerializeToString,
-                response_deserializer=rlfleet_dot_v1_dot_rollout__pb2.InitWeightUpdateGroupResponse.FromString,
+                request_serializer=rlfleet_dot_v1_dot_weights__pb2.InitWeightUpdateGroupRequest.SerializeToString,
+                response_deserializer=rlfleet_dot_v1_dot_weights__pb2.InitWeightUpdateGroupResponse.FromString,
                 _registered_method=True)
         self.DestroyWeightUpdateGroup = channel.unary_unary(
                 '/rlfleet.v1.Rollout/DestroyWeightUpdateGroup',
-                request_serializer=rlfleet_dot_v1_dot_rollout__pb2.DestroyWeightUpdateGroupRequest.SerializeToString,
-                response_deserializer=rlfleet_dot_v1_dot_rollout__pb2.DestroyWeightUpdateGroupResponse.FromString,
+                request_serializer=rlfleet_dot_v1_dot_weights__pb2.DestroyWeightUpdateGroupRequest.SerializeToString,
+                response_deserializer=rlfleet_dot_v1_dot_weights__pb2.DestroyWeightUpdateGroupResponse.FromString,
                 _registered_method=True)
         self.UpdateWeights = channel.unary_unary(
                 '/rlfleet.v1.Rollout/UpdateWeights',
@@ -153,13 +154,13 @@ def add_RolloutServicer_to_server(servicer, server):
             ),
             'InitWeightUpdateGroup': grpc.unary_unary_rpc_method_handler(
                     servicer.InitWeightUpdateGroup,
-                    request_deserializer=rlfleet_dot_v1_dot_rollout__pb2.InitWeightUpdateGroupRequest.FromString,
-                    response_serializer=rlfleet_dot_v1_dot_rollout__pb2.InitWeightUpdateGroupResponse.SerializeToString,
+                    request_deserializer=rlfleet_dot_v1_dot_weights__pb2.InitWeightUpdateGroupRequest.FromString,
+                    response_serializer=rlfleet_dot_v1_dot_weights__pb2.InitWeightUpdateGroupResponse.SerializeToString,
             ),
             'DestroyWeightUpdateGroup': grpc.unary_unary_rpc_method_handler(
                     servicer.DestroyWeightUpdateGroup,
-                    request_deserializer=rlfleet_dot_v1_dot_rollout__pb2.DestroyWeightUpdateGroupRequest.FromString,
-                    response_serializer=rlfleet_dot_v1_dot_rollout__pb2.DestroyWeightUpdateGroupResponse.SerializeToString,
+                    request_deserializer=rlfleet_dot_v1_dot_weights__pb2.DestroyWeightUpdateGroupRequest.FromString,
+                    response_serializer=rlfleet_dot_v1_dot_weights__pb2.DestroyWeightUpdateGroupResponse.SerializeToString,
             ),
             'UpdateWeights': grpc.unary_unary_rpc_method_handler(
                     servicer.UpdateWeights,
@@ -266,8 +267,8 @@ class Rollout:
             request,
             target,
             '/rlfleet.v1.Rollout/InitWeightUpdateGroup',
-            rlfleet_dot_v1_dot_rollout__pb2.InitWeightUpdateGroupRequest.SerializeToString,
-            rlfleet_dot_v1_dot_rollout__pb2.InitWeightUpdateGroupResponse.FromString,
+            rlfleet_dot_v1_dot_weights__pb2.InitWeightUpdateGroupRequest.SerializeToString,
+            rlfleet_dot_v1_dot_weights__pb2.InitWeightUpdateGroupResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -293,8 +294,8 @@ class Rollout:
             request,
             target,
             '/rlfleet.v1.Rollout/DestroyWeightUpdateGroup',
-            rlfleet_dot_v1_dot_rollout__pb2.DestroyWeightUpdateGroupRequest.SerializeToString,
-            rlfleet_dot_v1_dot_rollout__pb2.DestroyWeightUpdateGroupResponse.FromString,
+            rlfleet_dot_v1_dot_weights__pb2.DestroyWeightUpdateGroupRequest.SerializeToString,
+            rlfleet_dot_v1_dot_weights__pb2.DestroyWeightUpdateGroupResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -243,10 +243,12 @@ class TrainStepResponse(_message.Message):
     def __init__(self, metrics: _Optional[_Mapping[str, float]] = ..., weights_version: _Optional[int] = ..., step: _Optional[int] = ...) -> None: ...
 
 class GetWeightManifestRequest(_message.Message):
-    __slots__ = ("fingerprint_algo",)
+    __slots__ = ("fingerprint_algo", "plane")
     FINGERPRINT_ALGO_FIELD_NUMBER: _ClassVar[int]
+    PLANE_FIELD_NUMBER: _ClassVar[int]
     fingerprint_algo: str
-    def __init__(self, fingerprint_algo: _Optional[str] = ...) -> None: ...
+    plane: _weights_pb2.WeightPlane
+    def __init__(self, fingerprint_algo: _Optional[str] = ..., plane: _Optional[_Union[_weights_pb2.WeightPlane, str]] = ...) -> None: ...
 
 class GetWeightManifestResponse(_message.Message):
     __slots__ = ("manifest",)
@@ -277,12 +279,26 @@ class PushWeightsRequest(_message.Message):
     def __init__(self, plane: _Optional[_Union[_weights_pb2.WeightPlane, str]] = ..., version: _Optional[int] = ..., broadcast: _Optional[_Union[_weights_pb2.BroadcastSource, _Mapping]] = ..., request_id: _Optional[str] = ...) -> None: ...
 
 class PushWeightsResponse(_message.Message):
-    __slots__ = ("manifest", "seconds")
+    __slots__ = ("manifest", "seconds", "shm_segments", "cuda_ipc_handles")
     MANIFEST_FIELD_NUMBER: _ClassVar[int]
     SECONDS_FIELD_NUMBER: _ClassVar[int]
+    SHM_SEGMENTS_FIELD_NUMBER: _ClassVar[int]
+    CUDA_IPC_HANDLES_FIELD_NUMBER: _ClassVar[int]
     manifest: _weights_pb2.WeightManifest
     seconds: float
-    def __init__(self, manifest: _Optional[_Union[_weights_pb2.WeightManifest, _Mapping]] = ..., seconds: _Optional[float] = ...) -> None: ...
+    shm_segments: _containers.RepeatedScalarFieldContainer[str]
+    cuda_ipc_handles: _containers.RepeatedCompositeFieldContainer[_weights_pb2.CudaIpcHandle]
+    def __init__(self, manifest: _Optional[_Union[_weights_pb2.WeightManifest, _Mapping]] = ..., seconds: _Optional[float] = ..., shm_segments: _Optional[_Iterable[str]] = ..., cuda_ipc_handles: _Optional[_Iterable[_Union[_weights_pb2.CudaIpcHandle, _Mapping]]] = ...) -> None: ...
+
+class ReleaseWeightsRequest(_message.Message):
+    __slots__ = ("version",)
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    def __init__(self, version: _Optional[int] = ...) -> None: ...
+
+class ReleaseWeightsResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
 
 class SaveCheckpointRequest(_message.Message):
     __slots__ = ("path", "include_optimizer")

@@ -75,10 +75,25 @@ class TrainerStub:
                 request_serializer=rlfleet_dot_v1_dot_trainer__pb2.GetWeightsRequest.SerializeToString,
                 response_deserializer=rlfleet_dot_v1_dot_weights__pb2.WeightChunk.FromString,
                 _registered_method=True)
+        self.InitWeightUpdateGroup = channel.unary_unary(
+                '/rlfleet.v1.Trainer/InitWeightUpdateGroup',
+                request_serializer=rlfleet_dot_v1_dot_weights__pb2.InitWeightUpdateGroupRequest.SerializeToString,
+                response_deserializer=rlfleet_dot_v1_dot_weights__pb2.InitWeightUpdateGroupResponse.FromString,
+                _registered_method=True)
+        self.DestroyWeightUpdateGroup = channel.unary_unary(
+                '/rlfleet.v1.Trainer/DestroyWeightUpdateGroup',
+                request_serializer=rlfleet_dot_v1_dot_weights__pb2.DestroyWeightUpdateGroupRequest.SerializeToString,
+                response_deserializer=rlfleet_dot_v1_dot_weights__pb2.DestroyWeightUpdateGroupResponse.FromString,
+                _registered_method=True)
         self.PushWeights = channel.unary_unary(
                 '/rlfleet.v1.Trainer/PushWeights',
                 request_serializer=rlfleet_dot_v1_dot_trainer__pb2.PushWeightsRequest.SerializeToString,
                 response_deserializer=rlfleet_dot_v1_dot_trainer__pb2.PushWeightsResponse.FromString,
+                _registered_method=True)
+        self.ReleaseWeights = channel.unary_unary(
+                '/rlfleet.v1.Trainer/ReleaseWeights',
+                request_serializer=rlfleet_dot_v1_dot_trainer__pb2.ReleaseWeightsRequest.SerializeToString,
+                response_deserializer=rlfleet_dot_v1_dot_trainer__pb2.ReleaseWeightsResponse.FromString,
                 _registered_method=True)
         self.SaveCheckpoint = channel.unary_unary(
                 '/rlfleet.v1.Trainer/SaveCheckpoint',
@@ -143,7 +158,25 @@ class TrainerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def InitWeightUpdateGroup(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DestroyWeightUpdateGroup(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def PushWeights(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReleaseWeights(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -204,10 +237,25 @@ def add_TrainerServicer_to_server(servicer, server):
                     request_deserializer=rlfleet_dot_v1_dot_trainer__pb2.GetWeightsRequest.FromString,
                     response_serializer=rlfleet_dot_v1_dot_weights__pb2.WeightChunk.SerializeToString,
             ),
+            'InitWeightUpdateGroup': grpc.unary_unary_rpc_method_handler(
+                    servicer.InitWeightUpdateGroup,
+                    request_deserializer=rlfleet_dot_v1_dot_weights__pb2.InitWeightUpdateGroupRequest.FromString,
+                    response_serializer=rlfleet_dot_v1_dot_weights__pb2.InitWeightUpdateGroupResponse.SerializeToString,
+            ),
+            'DestroyWeightUpdateGroup': grpc.unary_unary_rpc_method_handler(
+                    servicer.DestroyWeightUpdateGroup,
+                    request_deserializer=rlfleet_dot_v1_dot_weights__pb2.DestroyWeightUpdateGroupRequest.FromString,
+                    response_serializer=rlfleet_dot_v1_dot_weights__pb2.DestroyWeightUpdateGroupResponse.SerializeToString,
+            ),
             'PushWeights': grpc.unary_unary_rpc_method_handler(
                     servicer.PushWeights,
                     request_deserializer=rlfleet_dot_v1_dot_trainer__pb2.PushWeightsRequest.FromString,
                     response_serializer=rlfleet_dot_v1_dot_trainer__pb2.PushWeightsResponse.SerializeToString,
+            ),
+            'ReleaseWeights': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReleaseWeights,
+                    request_deserializer=rlfleet_dot_v1_dot_trainer__pb2.ReleaseWeightsRequest.FromString,
+                    response_serializer=rlfleet_dot_v1_dot_trainer__pb2.ReleaseWeightsResponse.SerializeToString,
             ),
             'SaveCheckpoint': grpc.unary_unary_rpc_method_handler(
                     servicer.SaveCheckpoint,
@@ -447,6 +495,60 @@ class Trainer:
             _registered_method=True)
 
     @staticmethod
+    def InitWeightUpdateGroup(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rlfleet.v1.Trainer/InitWeightUpdateGroup',
+            rlfleet_dot_v1_dot_weights__pb2.InitWeightUpdateGroupRequest.SerializeToString,
+            rlfleet_dot_v1_dot_weights__pb2.InitWeightUpdateGroupResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DestroyWeightUpdateGroup(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rlfleet.v1.Trainer/DestroyWeightUpdateGroup',
+            rlfleet_dot_v1_dot_weights__pb2.DestroyWeightUpdateGroupRequest.SerializeToString,
+            rlfleet_dot_v1_dot_weights__pb2.DestroyWeightUpdateGroupResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
     def PushWeights(request,
             target,
             options=(),
@@ -463,6 +565,33 @@ class Trainer:
             '/rlfleet.v1.Trainer/PushWeights',
             rlfleet_dot_v1_dot_trainer__pb2.PushWeightsRequest.SerializeToString,
             rlfleet_dot_v1_dot_trainer__pb2.PushWeightsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReleaseWeights(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rlfleet.v1.Trainer/ReleaseWeights',
+            rlfleet_dot_v1_dot_trainer__pb2.ReleaseWeightsRequest.SerializeToString,
+            rlfleet_dot_v1_dot_trainer__pb2.ReleaseWeightsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -104,7 +104,7 @@ class ShmSource(_message.Message):
     def __init__(self, segment_names: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class CudaIpcHandle(_message.Message):
-    __slots__ = ("bucket", "gpu_uuid", "device_index", "handle", "storage_size_bytes", "storage_offset_bytes", "ref_counter_handle", "ref_counter_offset", "event_handle", "event_sync_required")
+    __slots__ = ("bucket", "gpu_uuid", "device_index", "handle", "storage_size_bytes", "storage_offset_bytes", "ref_counter_handle", "ref_counter_offset", "event_handle", "event_sync_required", "tensor_offset")
     BUCKET_FIELD_NUMBER: _ClassVar[int]
     GPU_UUID_FIELD_NUMBER: _ClassVar[int]
     DEVICE_INDEX_FIELD_NUMBER: _ClassVar[int]
@@ -115,6 +115,7 @@ class CudaIpcHandle(_message.Message):
     REF_COUNTER_OFFSET_FIELD_NUMBER: _ClassVar[int]
     EVENT_HANDLE_FIELD_NUMBER: _ClassVar[int]
     EVENT_SYNC_REQUIRED_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_OFFSET_FIELD_NUMBER: _ClassVar[int]
     bucket: int
     gpu_uuid: str
     device_index: int
@@ -125,7 +126,8 @@ class CudaIpcHandle(_message.Message):
     ref_counter_offset: int
     event_handle: bytes
     event_sync_required: bool
-    def __init__(self, bucket: _Optional[int] = ..., gpu_uuid: _Optional[str] = ..., device_index: _Optional[int] = ..., handle: _Optional[bytes] = ..., storage_size_bytes: _Optional[int] = ..., storage_offset_bytes: _Optional[int] = ..., ref_counter_handle: _Optional[bytes] = ..., ref_counter_offset: _Optional[int] = ..., event_handle: _Optional[bytes] = ..., event_sync_required: _Optional[bool] = ...) -> None: ...
+    tensor_offset: int
+    def __init__(self, bucket: _Optional[int] = ..., gpu_uuid: _Optional[str] = ..., device_index: _Optional[int] = ..., handle: _Optional[bytes] = ..., storage_size_bytes: _Optional[int] = ..., storage_offset_bytes: _Optional[int] = ..., ref_counter_handle: _Optional[bytes] = ..., ref_counter_offset: _Optional[int] = ..., event_handle: _Optional[bytes] = ..., event_sync_required: _Optional[bool] = ..., tensor_offset: _Optional[int] = ...) -> None: ...
 
 class CudaIpcSource(_message.Message):
     __slots__ = ("handles",)
@@ -144,3 +146,45 @@ class Capabilities(_message.Message):
     planes: _containers.RepeatedScalarFieldContainer[WeightPlane]
     broadcast_backends: _containers.RepeatedScalarFieldContainer[str]
     def __init__(self, host_id: _Optional[str] = ..., gpu_uuids: _Optional[_Iterable[str]] = ..., planes: _Optional[_Iterable[_Union[WeightPlane, str]]] = ..., broadcast_backends: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class InitWeightUpdateGroupRequest(_message.Message):
+    __slots__ = ("master_address", "master_port", "rank_offset", "world_size", "group_name", "backend", "timeout_s")
+    MASTER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    MASTER_PORT_FIELD_NUMBER: _ClassVar[int]
+    RANK_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    GROUP_NAME_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    master_address: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+    group_name: str
+    backend: str
+    timeout_s: float
+    def __init__(self, master_address: _Optional[str] = ..., master_port: _Optional[int] = ..., rank_offset: _Optional[int] = ..., world_size: _Optional[int] = ..., group_name: _Optional[str] = ..., backend: _Optional[str] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+
+class InitWeightUpdateGroupResponse(_message.Message):
+    __slots__ = ("success", "message", "master_port")
+    SUCCESS_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    MASTER_PORT_FIELD_NUMBER: _ClassVar[int]
+    success: bool
+    message: str
+    master_port: int
+    def __init__(self, success: _Optional[bool] = ..., message: _Optional[str] = ..., master_port: _Optional[int] = ...) -> None: ...
+
+class DestroyWeightUpdateGroupRequest(_message.Message):
+    __slots__ = ("group_name",)
+    GROUP_NAME_FIELD_NUMBER: _ClassVar[int]
+    group_name: str
+    def __init__(self, group_name: _Optional[str] = ...) -> None: ...
+
+class DestroyWeightUpdateGroupResponse(_message.Message):
+    __slots__ = ("success", "message")
+    SUCCESS_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    success: bool
+    message: str
+    def __init__(self, success: _Optional[bool] = ..., message: _Optional[str] = ...) -> None: ...

@@ -61,6 +61,7 @@ class TrainerClient(_Client):
     def configure(self, config: trainer_pb2.TrainerConfig) -> trainer_pb2.TrainerStatus:
         with self._call("Configure"):
             reply = self._stub.Configure(trainer_pb2.ConfigureTrainerRequest(config=config), timeout=self.deadline_s)
+        self.capabilities = reply.capabilities
         return reply.status
 
     def status(self) -> trainer_pb2.TrainerStatus:
@@ -91,12 +92,33 @@ class TrainerClient(_Client):
             reply = self._stub.TrainStep(request, timeout=self.deadline_s)
         return dict(reply.metrics), reply.weights_version
 
-    def weight_manifest(self, fingerprint_algo: str = "") -> weights_pb2.WeightManifest:
+    def weight_manifest(self, fingerprint_algo: str = "", plane: int = 0) -> weights_pb2.WeightManifest:
+        request = trainer_pb2.GetWeightManifestRequest(fingerprint_algo=fingerprint_algo, plane=plane)
         with self._call("GetWeightManifest"):
-            reply = self._stub.GetWeightManifest(
-                trainer_pb2.GetWeightManifestRequest(fingerprint_algo=fingerprint_algo), timeout=self.deadline_s
-            )
-        return reply.manifest
+            return self._stub.GetWeightManifest(request, timeout=self.deadline_s).manifest
+
+    def push_weights(
+        self, plane: int, version: int, broadcast: weights_pb2.BroadcastSource | None = None
+    ) -> trainer_pb2.PushWeightsResponse:
+        request = trainer_pb2.PushWeightsRequest(plane=plane, version=version, broadcast=broadcast)
+        with self._call("PushWeights"):
+            return self._stub.PushWeights(request, timeout=self.deadline_s)
+
+    def release_weights(self, version: int) -> None:
+        with self._call("ReleaseWeights"):
+            self._stub.ReleaseWeights(trainer_pb2.ReleaseWeightsRequest(version=version), timeout=self.deadline_s)
+
+    def init_weight_update_group(self, name: str, world_size: int, backend: str, timeout_s: float) -> int:
+        """Rank 0's side: returns the port its store listens on (the group forms as engines join)."""
+        request = weights_pb2.InitWeightUpdateGroupRequest(
+            group_name=name, world_size=world_size, rank_offset=0, backend=backend, timeout_s=timeout_s
+        )
+        with self._call("InitWeightUpdateGroup"):
+            return self._stub.InitWeightUpdateGroup(request, timeout=60).master_port
+
+    def destroy_weight_update_group(self, name: str) -> None:
+        with self._call("DestroyWeightUpdateGroup"):
+            self._stub.DestroyWeightUpdateGroup(weights_pb2.DestroyWeightUpdateGroupRequest(group_name=name), timeout=30)
 
     def save_checkpoint(self, path: str, *, include_optimizer: bool = True) -> int:
         request = trainer_pb2.SaveCheckpointRequest(path=path, include_optimizer=include_optimizer)
@@ -117,11 +139,12 @@ class RolloutClient(_Client):
     def configure(self, config: rollout_pb2.RolloutConfig) -> rollout_pb2.RolloutStatus:
         with self._call("Configure"):
             reply = self._stub.Configure(rollout_pb2.ConfigureRolloutRequest(config=config), timeout=self.deadline_s)
+        self.capabilities = reply.capabilities
         return reply.status
 
-    def status(self) -> rollout_pb2.RolloutStatus:
+    def status(self, timeout_s: float = 30.0) -> rollout_pb2.RolloutStatus:
         with self._call("GetStatus"):
-            return self._stub.GetStatus(rollout_pb2.GetRolloutStatusRequest(), timeout=30)
+            return self._stub.GetStatus(rollout_pb2.GetRolloutStatusRequest(), timeout=timeout_s)
 
     def generate(
         self, prompts: list[str], sampling: rollout_pb2.SamplingParams, *, return_logprobs: bool = True
@@ -147,14 +170,30 @@ class RolloutClient(_Client):
             for c in reply.results
         ]
 
-    def update_weights_from_trainer(
-        self, manifest: weights_pb2.WeightManifest, trainer: weights_pb2.TrainerEndpoint, timeout_s: float
+    def update_weights(
+        self, manifest: weights_pb2.WeightManifest, timeout_s: float, exact: bool = False, **source
     ) -> rollout_pb2.UpdateWeightsResponse:
+        """`source` is one of trainer=, broadcast=, shm=, cuda_ipc= (the UpdateWeights oneof)."""
+        verify = weights_pb2.VERIFY_MODE_EXACT if exact else weights_pb2.VERIFY_MODE_FINGERPRINT
         request = rollout_pb2.UpdateWeightsRequest(
-            version=manifest.version, manifest=manifest, trainer=trainer, timeout_s=timeout_s
+            version=manifest.version, manifest=manifest, timeout_s=timeout_s, verify=verify, **source
         )
         with self._call("UpdateWeights"):
             return self._stub.UpdateWeights(request, timeout=timeout_s + 30)
+
+    def init_weight_update_group(
+        self, host: str, port: int, rank: int, world_size: int, name: str, backend: str, timeout_s: float
+    ) -> None:
+        request = weights_pb2.InitWeightUpdateGroupRequest(
+            master_address=host, master_port=port, rank_offset=rank, world_size=world_size,
+            group_name=name, backend=backend, timeout_s=timeout_s,
+        )
+        with self._call("InitWeightUpdateGroup"):
+            self._stub.InitWeightUpdateGroup(request, timeout=timeout_s + 30)
+
+    def destroy_weight_update_group(self, name: str) -> None:
+        with self._call("DestroyWeightUpdateGroup"):
+            self._stub.DestroyWeightUpdateGroup(weights_pb2.DestroyWeightUpdateGroupRequest(group_name=name), timeout=30)
 
     def release_memory(self, tags: list[str]) -> rollout_pb2.RolloutStatus:
         with self._call("ReleaseMemory"):

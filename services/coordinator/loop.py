@@ -18,12 +18,13 @@ from typing import Callable
 import torch
 
 from services import rpc
-from services.api import rollout_pb2, trainer_pb2, weights_pb2
+from services.api import rollout_pb2, trainer_pb2
 from services.coordinator.advantages import compute_advantages
 from services.coordinator.clients import Completion, PeerError, RolloutClient, TrainerClient
 from services.coordinator.config import JobConfig
 from services.coordinator.datasets import Example, PromptSampler, load_jsonl
 from services.coordinator.rewards import build_reward
+from services.coordinator.weight_sync import WeightSyncer
 from services.models.tokenizer import load_tokenizer
 
 log = rpc.get_logger("coordinator")
@@ -110,7 +111,8 @@ class RLLoop:
         self.emit = emit
         self.cancelled = cancelled or threading.Event()
         self.weights_version = -1
-        self._pool = ThreadPoolExecutor(max_workers=max(1, len(fleet.engines)))
+        self._pool = ThreadPoolExecutor(max_workers=2 + 2 * len(fleet.engines))
+        self.syncer: WeightSyncer | None = None
         self._eval_sets = [
             (ds, load_jsonl(ds.path, job.data.prompt_key, job.data.answer_key, limit=ds.limit), build_reward(ds.reward))
             for ds in job.eval.datasets
@@ -138,18 +140,28 @@ class RLLoop:
                 {"message": f"trainer {trainer.address} ready ({status.num_parameters} parameters, "
                             f"optimizer: {'yes' if status.has_optimizer else 'none'})"},
             )
+        exact = self.job.weight_sync.verify == "exact"
         rollout_config = rollout_pb2.RolloutConfig(
             model_path=str(self.job.model),
             engine="torch",
             device=self.job.trainer.device,
             dtype=self.job.trainer.dtype,
             seed=self.job.seed,
-            load_weights=True,
+            # exact verification starts engines from scrambled weights: only the sync can fix them
+            load_weights=not (exact and self.fleet.trainers),
         )
         for engine in self.fleet.engines:
             status = engine.configure(rollout_config)
         self.fleet.in_pool = set(range(len(self.fleet.engines)))
         if self.fleet.trainers:
+            sync = self.job.weight_sync
+            self.syncer = WeightSyncer(
+                trainer=self.fleet.trainers[0], engines=self.fleet.engines,
+                trainer_caps=self.fleet.trainers[0].capabilities, engine_caps=[e.capabilities for e in self.fleet.engines],
+                forced=sync.plane, exact=exact, timeout_s=float(sync.timeout_s), token=self.fleet.trainer_token,
+                pool=self._pool,
+            )
+            self.emit("log", 0, {"message": f"weight planes: {dict(zip((e.address for e in self.fleet.engines), self.syncer.planes))}"})
             self.sync_weights(step=0)
         else:
             self.weights_version, self.checkpoint_step = status.weight_version, status.checkpoint_step
@@ -157,44 +169,30 @@ class RLLoop:
 
     # ---- weights -----------------------------------------------------------------------------
     def sync_weights(self, step: int) -> dict:
+        """Every engine gets the trainer's current weights over its negotiated plane; an engine
+        whose update fails leaves the pool (it keeps its old version) until a sync succeeds."""
         started = time.perf_counter()
         colocate = self.job.trainer.colocate
         if colocate:  # engines get their weight memory back first, their KV cache only after the sync
             self._on_engines(lambda e: e.resume_memory(["weights"]))
-        source = self.fleet.trainers[0]
-        algo = "sha256" if self.job.weight_sync.verify == "exact" else ""
-        manifest = source.weight_manifest(algo)
-        endpoint = weights_pb2.TrainerEndpoint(address=source.address, token=self.fleet.trainer_token)
-        timeout = float(self.job.weight_sync.timeout_s)
-
-        def update(index: int):
-            return self.fleet.engines[index].update_weights_from_trainer(manifest, endpoint, timeout)
-
-        targets = sorted(range(len(self.fleet.engines)))  # a full sync also readmits engines that failed before
-        futures = {i: self._pool.submit(update, i) for i in targets}
-        failures = {}
-        for i, fut in futures.items():
-            try:
-                fut.result()
-                self.fleet.in_pool.add(i)
-            except PeerError as e:
-                self.fleet.in_pool.discard(i)
-                failures[self.fleet.engines[i].address] = str(e)
+        result = self.syncer.sync(set(self.fleet.in_pool))
+        self.fleet.in_pool = set(result.ok)
         if colocate:
             self._on_engines(lambda e: e.resume_memory(["kv_cache"]))
         stats = {
-            "version": manifest.version,
-            "source": manifest.source,
-            "bytes": manifest.total_bytes,
+            "version": result.version,
+            "source": result.source,
+            "bytes": result.total_bytes,
             "seconds": time.perf_counter() - started,
-            "plane": "grpc_stream",
+            "plane": ",".join(sorted(set(result.planes.values()))),
+            "planes": result.planes,
             "engines_in_pool": len(self.fleet.in_pool),
-            "failures": failures,
+            "failures": result.failures,
         }
         self.emit("weight_sync", step, stats)
         if not self.fleet.in_pool:
-            raise WeightSyncFailed(f"weight sync to version {manifest.version} failed on every engine: {failures}")
-        self.weights_version = manifest.version
+            raise WeightSyncFailed(f"weight sync to version {result.version} failed on every engine: {result.failures}")
+        self.weights_version = result.version
         return stats
 
     def _on_engines(self, call) -> None:
@@ -405,6 +403,8 @@ class RLLoop:
             raise JobCancelled("job cancelled")
 
     def close(self) -> None:
+        if getattr(self, "syncer", None) is not None:
+            self.syncer.close()
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 

@@ -16,8 +16,12 @@ import grpc
 from services import rpc
 from services.api import rollout_pb2, rollout_pb2_grpc, trainer_pb2, trainer_pb2_grpc, weights_pb2
 from services.rollout.engine import EngineStateError, EngineUnavailable, RolloutEngine, RolloutSettings
+from services.rollout import receiver
 from services.rollout.torch_engine import Sampling
+from services.weights import capabilities
+from services.weights.broadcast import WeightGroup
 from services.weights.errors import InvalidChunk, WeightSyncError
+from services.weights.fingerprint import default_algo
 from services.weights.grpc_stream import StreamReceiver
 from services.weights.manifest import manifest_from_proto
 
@@ -52,6 +56,8 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
     def __init__(self):
         self._engine: RolloutEngine | None = None
         self._update_lock = threading.Lock()
+        self._groups: dict[str, WeightGroup] = {}
+        self._staging: receiver.Staging | None = None
 
     def _require(self, context) -> RolloutEngine:
         if self._engine is None:
@@ -85,8 +91,11 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
                 load_weights=c.load_weights,
             )
             self._engine = RolloutEngine(settings)
+            self._staging = receiver.Staging(self._engine.device)
             log.info("configured: %s (%d parameters, %s)", c.model_path, self._engine.num_parameters, settings.device)
-            return rollout_pb2.ConfigureRolloutResponse(status=self._status())
+            return rollout_pb2.ConfigureRolloutResponse(
+                status=self._status(), capabilities=capabilities.local(self._engine.device)
+            )
 
     def GetStatus(self, request, context):
         return self._status()
@@ -130,15 +139,14 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
             engine.validate(manifest)
             if "weights" in engine.released:
                 raise EngineStateError("UpdateWeights: weights are released; call ResumeMemory(weights) first")
-            if request.WhichOneof("source") != "trainer":
-                context.abort(
-                    grpc.StatusCode.UNIMPLEMENTED,
-                    f"source: plane {request.WhichOneof('source')!r} is not available on this engine yet",
-                )
-            timeout = request.timeout_s or DEFAULT_UPDATE_TIMEOUT_S
+            source = request.WhichOneof("source")
+            if source is None:
+                raise ValueError("source: one of trainer, broadcast, shm, cuda_ipc is required")
+            if source == "broadcast" and request.broadcast.group_name not in self._groups:
+                raise ValueError(f"broadcast.group_name: no group {request.broadcast.group_name!r}; call InitWeightUpdateGroup")
+            read_back = request.verify == weights_pb2.VERIFY_MODE_EXACT
             try:
-                buffers = self._pull(request.trainer, manifest, timeout)
-                copied = engine.apply(manifest, buffers)
+                copied = self._receive_and_apply(engine, request, manifest, read_back)
             except (WeightSyncError, InvalidChunk, grpc.RpcError) as e:
                 reason = e.details() if isinstance(e, grpc.RpcError) else str(e)
                 engine.leave_pool(f"weight update to version {manifest.version} failed: {reason}")
@@ -152,6 +160,46 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
                 seconds=seconds,
                 bytes=copied,
             )
+
+    def _receive_and_apply(self, engine, request, manifest, read_back: bool) -> int:
+        source = request.WhichOneof("source")
+        if source == "trainer":
+            buffers = self._pull(request.trainer, manifest, request.timeout_s or DEFAULT_UPDATE_TIMEOUT_S)
+        elif source == "broadcast":
+            group = self._groups[request.broadcast.group_name]
+            try:
+                buffers = receiver.receive_broadcast(group, request.broadcast.src_rank, manifest, self._staging)
+            except WeightSyncError:
+                self._groups.pop(group.name).close()  # a broken collective cannot be reused
+                raise
+        elif source == "shm":
+            with receiver.receive_shm(request.shm, manifest) as views:
+                return engine.apply(manifest, views, read_back=read_back)
+        else:
+            buffers = receiver.receive_cuda_ipc(request.cuda_ipc, manifest)
+        return engine.apply(manifest, buffers, read_back=read_back)
+
+    def InitWeightUpdateGroup(self, request, context):
+        """Join a broadcast group as rank `rank_offset`; blocks until every rank has joined."""
+        with rpc.abort_on(context, _ERRORS):
+            engine = self._require(context)
+            name = request.group_name or "weight_update_group"
+            old = self._groups.pop(name, None)
+            if old is not None:
+                old.close()
+            group = WeightGroup(
+                master_address=request.master_address, master_port=request.master_port, rank=request.rank_offset,
+                world_size=request.world_size, group_name=name, backend=request.backend or "gloo",
+                timeout_s=request.timeout_s or DEFAULT_UPDATE_TIMEOUT_S, device=engine.device,
+            ).connect()
+            self._groups[name] = group
+            return weights_pb2.InitWeightUpdateGroupResponse(success=True, message=f"joined as rank {group.rank}")
+
+    def DestroyWeightUpdateGroup(self, request, context):
+        group = self._groups.pop(request.group_name or "weight_update_group", None)
+        if group is not None:
+            group.close()
+        return weights_pb2.DestroyWeightUpdateGroupResponse(success=group is not None)
 
     @staticmethod
     def _pull(endpoint: weights_pb2.TrainerEndpoint, manifest, timeout_s: float):
@@ -175,7 +223,8 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
     def GetWeightFingerprints(self, request, context):
         with rpc.abort_on(context, _ERRORS):
             engine = self._require(context)
-            prints = engine.fingerprints(request.fingerprint_algo or "fast", request.bucket_bytes or 512 * 1024 * 1024)
+            algo = request.fingerprint_algo or default_algo(engine.device)
+            prints = engine.fingerprints(algo, request.bucket_bytes or 512 * 1024 * 1024)
             return rollout_pb2.GetWeightFingerprintsResponse(version=engine.weight_version, fingerprints=prints)
 
 

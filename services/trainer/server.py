@@ -15,14 +15,17 @@ from services.api import trainer_pb2, trainer_pb2_grpc, weights_pb2
 from services.trainer.batch import Sample
 from services.trainer.settings import LossSettings, OptimizerSettings, SchedulerSettings, TrainerSettings
 from services.trainer.torch_backend import TorchTrainer, TrainerStateError
-from services.trainer.weight_source import WeightSource
+from services.trainer.weight_push import WeightPusher
+from services.weights import capabilities
 from services.weights.grpc_stream import DEFAULT_CHUNK_BYTES, iter_chunks
+from services.weights.errors import WeightSyncError
 from services.weights.manifest import manifest_to_proto
 
 SERVICE_NAME = "rlfleet.v1.Trainer"
 _ERRORS = {
     ValueError: grpc.StatusCode.INVALID_ARGUMENT,
     TrainerStateError: grpc.StatusCode.FAILED_PRECONDITION,
+    WeightSyncError: grpc.StatusCode.ABORTED,
     FileNotFoundError: grpc.StatusCode.NOT_FOUND,
 }
 log = rpc.get_logger("trainer")
@@ -100,7 +103,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
     def __init__(self):
         self._lock = threading.Lock()
         self._trainer: TorchTrainer | None = None
-        self._source: WeightSource | None = None
+        self._pusher: WeightPusher | None = None
 
     def _require(self, context) -> TorchTrainer:
         if self._trainer is None:
@@ -124,13 +127,17 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
     def Configure(self, request, context):
         with self._lock, rpc.abort_on(context, _ERRORS):
             settings = settings_from_proto(request.config)
+            if self._pusher is not None:
+                self._pusher.close()
             self._trainer = TorchTrainer(settings)
-            self._source = WeightSource(settings.bucket_bytes)
+            self._pusher = WeightPusher(self._trainer)
             log.info(
                 "configured: %s (%d parameters, %s, eval_only=%s)",
                 settings.model_path, self._trainer.num_parameters, settings.device, settings.eval_only,
             )
-            return trainer_pb2.ConfigureTrainerResponse(status=self._status())
+            return trainer_pb2.ConfigureTrainerResponse(
+                status=self._status(), capabilities=capabilities.local(self._trainer.device)
+            )
 
     def GetStatus(self, request, context):
         with self._lock:
@@ -166,16 +173,14 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
 
     def GetWeightManifest(self, request, context):
         with self._lock, rpc.abort_on(context, _ERRORS):
-            trainer = self._require(context)
-            source, weights = trainer.weights_for_sync()
-            layout = trainer.store.layout if source == "host" else None
-            snap = self._source.snapshot(weights, layout, trainer.weights_version, source, request.fingerprint_algo)
-            return trainer_pb2.GetWeightManifestResponse(manifest=manifest_to_proto(snap.manifest))
+            self._require(context)
+            manifest = self._pusher.manifest(request.plane, request.fingerprint_algo)
+            return trainer_pb2.GetWeightManifestResponse(manifest=manifest_to_proto(manifest))
 
     def GetWeights(self, request, context):
         with self._lock:
             self._require(context)
-            snap = self._source.current(request.version)
+            snap = self._pusher.source.current(request.version)
         if snap is None:
             context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION,
@@ -191,6 +196,32 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
             list(request.buckets) or None,
             chunk_bytes=request.chunk_bytes or DEFAULT_CHUNK_BYTES,
         )
+
+    def InitWeightUpdateGroup(self, request, context):
+        with self._lock, rpc.abort_on(context, _ERRORS):
+            self._require(context)
+            port = self._pusher.init_group(request)
+            return weights_pb2.InitWeightUpdateGroupResponse(success=True, message="rank 0 listening", master_port=port)
+
+    def DestroyWeightUpdateGroup(self, request, context):
+        with self._lock, rpc.abort_on(context, _ERRORS):
+            self._require(context)
+            found = self._pusher.destroy_group(request.group_name)
+            return weights_pb2.DestroyWeightUpdateGroupResponse(success=found, message="" if found else "no such group")
+
+    def PushWeights(self, request, context):
+        with self._lock, rpc.abort_on(context, _ERRORS):
+            self._require(context)
+            manifest, names, handles, seconds = self._pusher.push(request)
+            return trainer_pb2.PushWeightsResponse(
+                manifest=manifest_to_proto(manifest), seconds=seconds, shm_segments=names, cuda_ipc_handles=handles
+            )
+
+    def ReleaseWeights(self, request, context):
+        with self._lock, rpc.abort_on(context, _ERRORS):
+            self._require(context)
+            self._pusher.release()
+            return trainer_pb2.ReleaseWeightsResponse()
 
     def SaveCheckpoint(self, request, context):
         with self._lock, rpc.abort_on(context, _ERRORS):

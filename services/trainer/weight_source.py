@@ -16,9 +16,8 @@ import torch
 
 from services.trainer.host_store import HostCopy
 from services.weights.buckets import BucketSpec, Manifest, pack_bucket, plan_buckets
-from services.weights.fingerprint import fingerprint
+from services.weights.fingerprint import default_algo, fingerprint
 
-DEFAULT_FINGERPRINT = "fast"
 
 
 @dataclass(frozen=True)
@@ -43,7 +42,6 @@ class WeightSource:
         algo: str = "",
     ) -> Snapshot:
         """`weights` is a host copy laid out as `layout`, or live named tensors (layout None)."""
-        algo = algo or DEFAULT_FINGERPRINT
         key = (version, source, algo)
         with self._lock:
             if self._key != key:
@@ -53,8 +51,9 @@ class WeightSource:
                     specs = plan_buckets(list(weights.items()), self._bucket_bytes)
                     with torch.no_grad():
                         buffers = [pack_bucket(spec, weights).cpu() for spec in specs]
-                buckets = tuple(dataclasses.replace(s, fingerprint=fingerprint(b, algo)) for s, b in zip(specs, buffers))
-                manifest = Manifest(version=version, source=source, buckets=buckets, fingerprint_algo=algo)
+                used = algo or default_algo(buffers[0].device if buffers else "cpu")
+                buckets = tuple(dataclasses.replace(s, fingerprint=fingerprint(b, used)) for s, b in zip(specs, buffers))
+                manifest = Manifest(version=version, source=source, buckets=buckets, fingerprint_algo=used)
                 self._snapshot, self._key = Snapshot(manifest, buffers), key
             return self._snapshot
 

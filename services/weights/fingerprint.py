@@ -1,4 +1,8 @@
-"""Bucket fingerprints: a cheap on-device checksum ("fast") and an exact digest ("sha256").
+"""Bucket fingerprints: "xxh3" for host bytes, "fast" on the device, "sha256" for exact checks.
+
+"xxh3" (64-bit XXH3 over the raw bytes) runs at memory speed on the host (about 27 GB/s on one
+core here), so a host-side plane pays little for verifying every bucket. Device buckets use
+"fast" so that nothing crosses PCIe just to be checked.
 
 Engines verify every bucket before a new weight version becomes visible, so the check runs on
 each sync and must cost little next to the transfer itself. "fast" runs where the bucket lives
@@ -25,9 +29,9 @@ import hashlib
 
 import torch
 
-__all__ = ["FINGERPRINT_ALGOS", "fingerprint", "fingerprint_algo"]
+__all__ = ["FINGERPRINT_ALGOS", "default_algo", "fingerprint", "fingerprint_algo"]
 
-FINGERPRINT_ALGOS = ("fast", "sha256")
+FINGERPRINT_ALGOS = ("fast", "xxh3", "sha256")
 
 _ROW_WORDS = 1024  # part of the "fast" definition: changing it changes every fingerprint
 _MASK64 = (1 << 64) - 1
@@ -58,11 +62,21 @@ def fingerprint(flat: torch.Tensor, algo: str = "fast") -> str:
         )
     if algo == "fast":
         return "fast:" + _fast(flat)
+    if algo == "xxh3":
+        import xxhash
+
+        data = flat.detach().contiguous().cpu().numpy()  # a view for host tensors: no copy
+        return "xxh3:" + xxhash.xxh3_64_hexdigest(memoryview(data))
     if algo == "sha256":
         # Exact, host-side, for tests and debugging: copies the bytes to the host.
         data = flat.detach().contiguous().cpu().numpy()
         return "sha256:" + hashlib.sha256(memoryview(data)).hexdigest()
     raise ValueError(f"unknown fingerprint algo {algo!r} (known: {', '.join(FINGERPRINT_ALGOS)})")
+
+
+def default_algo(device: torch.device | str) -> str:
+    """The cheap algorithm for bytes that live on `device`."""
+    return "xxh3" if torch.device(device).type == "cpu" else "fast"
 
 
 def fingerprint_algo(value: str) -> str:

@@ -20,13 +20,8 @@ import torch
 
 from services.api import weights_pb2
 from services.weights.buckets import Manifest
-from services.weights.errors import (
-    FingerprintMismatch,
-    IncompleteTransfer,
-    InvalidChunk,
-    WeightSyncError,
-)
-from services.weights.fingerprint import FINGERPRINT_ALGOS, fingerprint
+from services.weights.errors import IncompleteTransfer, InvalidChunk, WeightSyncError
+from services.weights.verify import verify_buckets
 
 __all__ = ["DEFAULT_CHUNK_BYTES", "iter_chunks", "StreamReceiver", "receive"]
 
@@ -153,22 +148,7 @@ class StreamReceiver:
                     f"bucket {bucket.index} is incomplete: received {ranges.num_bytes} of "
                     f"{bucket.nbytes} bytes (first missing byte at {ranges.first_missing()})"
                 )
-        algo = verify_algo or self.manifest.fingerprint_algo
-        if algo not in FINGERPRINT_ALGOS:
-            known = ", ".join(FINGERPRINT_ALGOS)
-            raise ValueError(f"unknown verify_algo {algo!r} (known: {known})")
-        for bucket, buffer in zip(self.manifest.buckets, self._buffers):
-            if not bucket.fingerprint.startswith(algo + ":"):
-                raise WeightSyncError(
-                    f"bucket {bucket.index} carries fingerprint {bucket.fingerprint!r}, "
-                    f"which cannot be verified with {algo!r}"
-                )
-            actual = fingerprint(buffer, algo)
-            if actual != bucket.fingerprint:
-                raise FingerprintMismatch(
-                    f"bucket {bucket.index} fingerprint mismatch: manifest {bucket.fingerprint}, "
-                    f"received {actual}"
-                )
+        verify_buckets(self.manifest, self._buffers, verify_algo)
         self._finished = True
         return list(self._buffers)
 

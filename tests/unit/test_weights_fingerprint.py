@@ -107,3 +107,14 @@ def test_sha256_is_exact_and_unknown_algo_is_named():
         fingerprint(flat.float())
     with pytest.raises(ValueError, match="malformed"):
         fingerprint_algo("nohex")
+
+
+def test_xxh3_is_the_reference_digest_and_catches_a_flipped_byte():
+    import xxhash
+
+    flat = torch.randint(0, 256, (100_003,), dtype=torch.uint8)
+    value = fingerprint(flat, "xxh3")
+    assert value == "xxh3:" + xxhash.xxh3_64_hexdigest(flat.numpy().tobytes())
+    flat[77_777] ^= 1
+    assert fingerprint(flat, "xxh3") != value
+    assert fingerprint_algo(value) == "xxh3"

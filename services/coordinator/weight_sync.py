@@ -1,0 +1,192 @@
+"""Weight-sync orchestration: choose a data plane per engine, run the sync, keep groups cached.
+
+Planes come from what each side reported at Configure (`Capabilities`): `cuda_ipc` when an engine
+shares the trainer's GPU, `broadcast` (NCCL between GPUs, gloo between CPU processes on different
+hosts), `shm` between CPU processes on one host, `grpc_stream` otherwise. A forced plane that
+cannot work for some engine is a ValueError naming the engine and the reason. Broadcast groups
+are cached across syncs and rebuilt when the set of engines changes or a sync broke one.
+"""
+
+from __future__ import annotations
+
+import itertools
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from services.api import weights_pb2
+from services.coordinator.clients import PeerError, RolloutClient, TrainerClient
+
+PLANES = {
+    "grpc_stream": weights_pb2.WEIGHT_PLANE_GRPC_STREAM,
+    "broadcast": weights_pb2.WEIGHT_PLANE_BROADCAST,
+    "shm": weights_pb2.WEIGHT_PLANE_SHM,
+    "cuda_ipc": weights_pb2.WEIGHT_PLANE_CUDA_IPC,
+}
+_group_ids = itertools.count(1)
+
+
+def choose_plane(trainer: weights_pb2.Capabilities, engine: weights_pb2.Capabilities, forced: str, who: str) -> str:
+    shared_gpu = bool(set(trainer.gpu_uuids) & set(engine.gpu_uuids))
+    same_host = trainer.host_id == engine.host_id and bool(trainer.host_id)
+    both_gpu = bool(trainer.gpu_uuids) and bool(engine.gpu_uuids)
+    if forced == "auto":
+        if shared_gpu:
+            return "cuda_ipc"
+        if both_gpu or not same_host:
+            return "broadcast"
+        if not trainer.gpu_uuids and not engine.gpu_uuids:
+            return "shm"
+        return "grpc_stream"
+    reasons = {
+        "cuda_ipc": None if shared_gpu else "it shares no GPU with the trainer",
+        "shm": None if same_host else "it runs on another host than the trainer",
+        "broadcast": "it shares the trainer's GPU and NCCL refuses two ranks on one GPU" if shared_gpu else None,
+    }
+    if reasons.get(forced):
+        raise ValueError(f"weight_sync.plane: {forced} is impossible for engine {who}: {reasons[forced]}")
+    return forced
+
+
+def broadcast_backend(trainer: weights_pb2.Capabilities, engines: list[weights_pb2.Capabilities]) -> str:
+    return "nccl" if trainer.gpu_uuids and all(e.gpu_uuids for e in engines) else "gloo"
+
+
+@dataclass
+class _Group:
+    name: str
+    members: tuple[int, ...]
+
+
+@dataclass
+class SyncResult:
+    version: int
+    source: str
+    total_bytes: int
+    planes: dict[str, str] = field(default_factory=dict)   # engine address -> plane
+    failures: dict[str, str] = field(default_factory=dict)  # engine address -> error
+    ok: set[int] = field(default_factory=set)
+
+
+class WeightSyncer:
+    def __init__(self, *, trainer: TrainerClient, engines: list[RolloutClient], trainer_caps, engine_caps,
+                 forced: str, exact: bool, timeout_s: float, token: str, pool: ThreadPoolExecutor):
+        self.trainer, self.engines = trainer, engines
+        self.trainer_caps, self.engine_caps = trainer_caps, engine_caps
+        self.exact, self.timeout_s, self.token, self._pool = exact, timeout_s, token, pool
+        self.planes = [choose_plane(trainer_caps, caps, forced, e.address) for e, caps in zip(engines, engine_caps)]
+        self._group: _Group | None = None
+
+    def sync(self, alive: set[int]) -> SyncResult:
+        """Sync every engine in `alive` (plus any that answers again); returns who got the weights."""
+        by_plane: dict[str, list[int]] = {}
+        for index, plane in enumerate(self.planes):
+            by_plane.setdefault(plane, []).append(index)
+        result = None
+        for plane, members in by_plane.items():
+            part = getattr(self, f"_sync_{plane}")(members)
+            if result is None:
+                result = part
+            else:
+                result.failures.update(part.failures)
+                result.ok |= part.ok
+            result.planes.update({self.engines[i].address: plane for i in members})
+        return result
+
+    def _algo(self) -> str:
+        return "sha256" if self.exact else ""
+
+    def _update_all(self, members, manifest, **source) -> SyncResult:
+        result = SyncResult(manifest.version, manifest.source, manifest.total_bytes)
+        futures = {
+            i: self._pool.submit(self.engines[i].update_weights, manifest, self.timeout_s, self.exact, **source)
+            for i in members
+        }
+        for i, fut in futures.items():
+            try:
+                fut.result()
+                result.ok.add(i)
+            except PeerError as e:
+                result.failures[self.engines[i].address] = str(e)
+        return result
+
+    def _sync_grpc_stream(self, members) -> SyncResult:
+        manifest = self.trainer.weight_manifest(self._algo(), PLANES["grpc_stream"])
+        endpoint = weights_pb2.TrainerEndpoint(address=self.trainer.address, token=self.token)
+        return self._update_all(members, manifest, trainer=endpoint)
+
+    def _sync_shm(self, members) -> SyncResult:
+        manifest = self.trainer.weight_manifest(self._algo(), PLANES["shm"])
+        reply = self.trainer.push_weights(PLANES["shm"], manifest.version)
+        return self._update_all(members, reply.manifest, shm=weights_pb2.ShmSource(segment_names=reply.shm_segments))
+
+    def _sync_cuda_ipc(self, members) -> SyncResult:
+        manifest = self.trainer.weight_manifest(self._algo(), PLANES["cuda_ipc"])
+        reply = self.trainer.push_weights(PLANES["cuda_ipc"], manifest.version)
+        try:
+            return self._update_all(
+                members, reply.manifest, cuda_ipc=weights_pb2.CudaIpcSource(handles=reply.cuda_ipc_handles)
+            )
+        finally:
+            self.trainer.release_weights(reply.manifest.version)
+
+    def _sync_broadcast(self, members) -> SyncResult:
+        reachable = [i for i in members if self._answers(i)]
+        failures = {self.engines[i].address: "engine does not answer; left out of the group" for i in members if i not in reachable}
+        if not reachable:
+            return SyncResult(-1, "", 0, failures=failures)
+        try:
+            group = self._ensure_group(tuple(reachable))
+        except PeerError as e:
+            self._drop_group()
+            failures.update({self.engines[i].address: f"could not form the broadcast group: {e}" for i in reachable})
+            return SyncResult(-1, "", 0, failures=failures)
+        manifest = self.trainer.weight_manifest(self._algo(), PLANES["broadcast"])
+        source = weights_pb2.BroadcastSource(group_name=group.name, src_rank=0)
+        push = self._pool.submit(self.trainer.push_weights, PLANES["broadcast"], manifest.version, source)
+        result = self._update_all(reachable, manifest, broadcast=source)
+        try:
+            push.result()
+        except PeerError as e:
+            result.failures.setdefault(self.trainer.address, str(e))
+        if result.failures:
+            self._drop_group()  # a collective that failed on any rank cannot be reused
+        result.failures.update(failures)
+        return result
+
+    def _answers(self, index: int) -> bool:
+        try:
+            self.engines[index].status(timeout_s=5.0)
+            return True
+        except PeerError:
+            return False
+
+    def _ensure_group(self, members: tuple[int, ...]) -> _Group:
+        if self._group is not None and self._group.members == members:
+            return self._group
+        self._drop_group()
+        name = f"rlfleet-weights-{next(_group_ids)}"
+        backend = broadcast_backend(self.trainer_caps, [self.engine_caps[i] for i in members])
+        world = 1 + len(members)
+        port = self.trainer.init_weight_update_group(name, world, backend, self.timeout_s)
+        host = self.trainer.address.rsplit(":", 1)[0]
+        joins = [
+            self._pool.submit(self.engines[i].init_weight_update_group, host, port, 1 + k, world, name, backend, self.timeout_s)
+            for k, i in enumerate(members)
+        ]
+        for fut in joins:
+            fut.result()
+        self._group = _Group(name, members)
+        return self._group
+
+    def _drop_group(self) -> None:
+        group, self._group = self._group, None
+        if group is None:
+            return
+        for client in (self.trainer, *(self.engines[i] for i in group.members)):
+            try:
+                client.destroy_weight_update_group(group.name)
+            except PeerError:
+                pass  # a dead member has nothing left to destroy
+
+    def close(self) -> None:
+        self._drop_group()

@@ -1,0 +1,148 @@
+"""The trainer's side of every data plane: manifests, broadcast groups, shm segments, IPC buffers.
+
+`manifest(plane)` lays the current weights out as fingerprinted buckets where the plane sends
+from: host memory for grpc_stream, shm and gloo; the trainer's GPU for NCCL and CUDA IPC (packed
+on the device from live weights, or staged host->device from the host store while asleep). The
+same snapshot then serves `GetWeights`, is broadcast by `push`, or is exported for IPC, so every
+engine receives exactly the bytes the manifest describes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+
+import torch
+
+from services.api import weights_pb2
+from services.trainer.host_store import HostCopy
+from services.trainer.weight_source import Snapshot, WeightSource
+from services.weights import cuda_ipc
+from services.weights.broadcast import WeightGroup, free_port
+from services.weights.buckets import Manifest, pack_bucket, plan_buckets
+from services.weights.errors import WeightSyncError
+from services.weights.fingerprint import default_algo, fingerprint
+from services.weights.shm import ShmWriter
+
+GRPC_STREAM, BROADCAST, CUDA_IPC, SHM = (
+    weights_pb2.WEIGHT_PLANE_GRPC_STREAM,
+    weights_pb2.WEIGHT_PLANE_BROADCAST,
+    weights_pb2.WEIGHT_PLANE_CUDA_IPC,
+    weights_pb2.WEIGHT_PLANE_SHM,
+)
+
+
+class WeightPusher:
+    def __init__(self, trainer):
+        self.trainer = trainer
+        self.source = WeightSource(trainer.settings.bucket_bytes)
+        self.groups: dict[str, WeightGroup] = {}
+        self._shm = ShmWriter()
+        self._device_snapshot: Snapshot | None = None
+        self._lock = threading.Lock()
+
+    # ---- manifests ---------------------------------------------------------------------------
+    def _on_device(self, plane: int) -> bool:
+        if self.trainer.device.type != "cuda":
+            return False
+        return plane == CUDA_IPC or (plane == BROADCAST and any(g.backend == "nccl" for g in self.groups.values()))
+
+    def manifest(self, plane: int, algo: str = "") -> Manifest:
+        trainer = self.trainer
+        source, weights = trainer.weights_for_sync()
+        if not self._on_device(plane):
+            layout = trainer.store.layout if source == "host" else None
+            return self.source.snapshot(weights, layout, trainer.weights_version, source, algo).manifest
+        return self._device_manifest(source, weights, algo)
+
+    def _device_manifest(self, source: str, weights, algo: str) -> Manifest:
+        """Buckets on the trainer's GPU: packed from live weights, or staged from the host copy."""
+        trainer = self.trainer
+        snap = self._device_snapshot
+        if snap is not None and snap.manifest.version == trainer.weights_version and snap.manifest.source == source:
+            return snap.manifest
+        if isinstance(weights, HostCopy):
+            specs = trainer.store.layout
+            buffers = [b.to(trainer.device, non_blocking=True) for b in weights.buffers]
+        else:
+            specs = plan_buckets(list(weights.items()), trainer.settings.bucket_bytes)
+            buffers = [pack_bucket(spec, weights) for spec in specs]
+        used = algo or default_algo(trainer.device)
+        buckets = tuple(dataclasses.replace(s, fingerprint=fingerprint(b, used)) for s, b in zip(specs, buffers))
+        manifest = Manifest(version=trainer.weights_version, source=source, buckets=buckets, fingerprint_algo=used)
+        self._device_snapshot = Snapshot(manifest, buffers)
+        return manifest
+
+    def snapshot(self, version: int, plane: int) -> Snapshot:
+        snap = self._device_snapshot if self._on_device(plane) else self.source.current(version)
+        if snap is None or snap.manifest.version != version:
+            raise ValueError(f"version: weights version {version} has no manifest; call GetWeightManifest first")
+        return snap
+
+    # ---- groups ------------------------------------------------------------------------------
+    def init_group(self, request: weights_pb2.InitWeightUpdateGroupRequest) -> int:
+        """Create rank 0's store (picking a free port for master_port 0) and form the group in the background."""
+        name = request.group_name or "weight_update_group"
+        if request.rank_offset != 0:
+            raise ValueError("rank_offset: the trainer is always rank 0 of its weight-update group")
+        self.destroy_group(name)
+        group = WeightGroup(
+            master_address=request.master_address or "0.0.0.0",
+            master_port=request.master_port or free_port(),
+            rank=0,
+            world_size=request.world_size,
+            group_name=name,
+            backend=request.backend or "gloo",
+            timeout_s=request.timeout_s or 120.0,
+            device=self.trainer.device,
+        )
+        group.connect_in_background()
+        self.groups[name] = group
+        return group.port
+
+    def destroy_group(self, name: str) -> bool:
+        group = self.groups.pop(name or "weight_update_group", None)
+        if group is not None:
+            group.close()
+        return group is not None
+
+    # ---- push --------------------------------------------------------------------------------
+    def push(self, request) -> tuple[Manifest, list[str], list[weights_pb2.CudaIpcHandle], float]:
+        started = time.perf_counter()
+        snap = self.snapshot(request.version, request.plane)
+        names, handles = [], []
+        if request.plane == BROADCAST:
+            group = self.groups.get(request.broadcast.group_name or "weight_update_group")
+            if group is None:
+                raise ValueError(f"broadcast.group_name: no group {request.broadcast.group_name!r}; call InitWeightUpdateGroup")
+            try:
+                for flat in snap.buffers:
+                    group.broadcast(flat, src=0)
+            except WeightSyncError:
+                self.destroy_group(group.name)  # a broken collective cannot be reused
+                raise
+        elif request.plane == SHM:
+            views = self._shm.buffers([b.nbytes for b in snap.manifest.buckets])
+            for view, flat in zip(views, snap.buffers):
+                view.copy_(flat)
+            names = self._shm.names
+        elif request.plane == CUDA_IPC:
+            if self.trainer.device.type != "cuda":
+                raise ValueError("plane: cuda_ipc needs a trainer on a CUDA device")
+            torch.cuda.synchronize(self.trainer.device)
+            handles = [cuda_ipc.export(i, flat) for i, flat in enumerate(snap.buffers)]
+        else:
+            raise ValueError(f"plane: {weights_pb2.WeightPlane.Name(request.plane)} is not pushed (engines pull grpc_stream)")
+        return snap.manifest, names, handles, time.perf_counter() - started
+
+    def release(self) -> None:
+        """Drop device staging (IPC buffers) once every engine has copied."""
+        self._device_snapshot = None
+        if self.trainer.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def close(self) -> None:
+        for name in list(self.groups):
+            self.destroy_group(name)
+        self._shm.close()

@@ -1,0 +1,111 @@
+"""The broadcast plane: weight buckets sent by one trainer rank to every engine rank at once.
+
+A group is a standalone torch.distributed process group (gloo on CPU, NCCL on GPUs) built on its
+own TCP store, so it never touches a process's default group and several can coexist. Rank 0 is
+the trainer; engine ranks follow from `rank_offset`, as in SGLang's init_weights_update_group.
+The trainer creates the store first (it may pick a free port), and the group forms when every
+rank has joined; joining blocks until then, so callers join concurrently.
+"""
+
+from __future__ import annotations
+
+import datetime
+import socket
+import threading
+
+import torch
+import torch.distributed as dist
+
+from services.weights.errors import WeightSyncError
+
+BACKENDS = ("gloo", "nccl")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class WeightGroup:
+    """One rank's membership of a weight-update group."""
+
+    def __init__(self, *, master_address: str, master_port: int, rank: int, world_size: int,
+                 group_name: str, backend: str, timeout_s: float, device: torch.device):
+        if backend not in BACKENDS:
+            raise ValueError(f"backend: unknown backend {backend!r} (expected gloo or nccl)")
+        if backend == "nccl" and device.type != "cuda":
+            raise ValueError("backend: nccl needs a CUDA device; use gloo on CPU")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank_offset: rank {rank} is outside the group of {world_size}")
+        self.name, self.rank, self.world_size, self.backend = group_name, rank, world_size, backend
+        self.device = device
+        self.timeout = datetime.timedelta(seconds=timeout_s)
+        self._store = dist.TCPStore(
+            master_address, master_port, world_size, is_master=rank == 0, timeout=self.timeout,
+            wait_for_workers=False,
+        )
+        self.port = self._store.port
+        self._pg = None
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+
+    def connect(self) -> "WeightGroup":
+        """Form the group (blocks until every rank has joined or the timeout passes)."""
+        try:
+            store = dist.PrefixStore(self.name, self._store)
+            if self.backend == "gloo":
+                self._pg = dist.ProcessGroupGloo(store, self.rank, self.world_size, self.timeout)
+            else:
+                options = dist.ProcessGroupNCCL.Options()
+                options._timeout = self.timeout
+                self._pg = dist.ProcessGroupNCCL(store, self.rank, self.world_size, options)
+        except BaseException as e:
+            self._error = e
+            raise WeightSyncError(f"group {self.name!r}: rank {self.rank} could not join: {e}") from e
+        finally:
+            self._ready.set()
+        return self
+
+    def connect_in_background(self) -> None:
+        threading.Thread(target=self._connect_quietly, name=f"group-{self.name}", daemon=True).start()
+
+    def _connect_quietly(self) -> None:
+        try:
+            self.connect()
+        except WeightSyncError:
+            pass  # reported by wait_ready
+
+    def wait_ready(self) -> None:
+        if not self._ready.wait(self.timeout.total_seconds()):
+            raise WeightSyncError(f"group {self.name!r}: engines did not join within {self.timeout.total_seconds():.0f}s")
+        if self._error is not None:
+            raise WeightSyncError(f"group {self.name!r}: could not form: {self._error}") from self._error
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
+        """Send (rank src) or receive (others) one flat tensor, in place."""
+        self.wait_ready()
+        try:
+            work = self._pg.broadcast([tensor], _options(src))
+            work.wait(self.timeout)
+        except RuntimeError as e:
+            raise WeightSyncError(f"group {self.name!r}: broadcast failed on rank {self.rank}: {e}") from e
+
+    def close(self) -> None:
+        pg, self._pg = self._pg, None
+        if pg is not None:
+            try:
+                if hasattr(pg, "abort"):
+                    pg.abort()
+                else:
+                    pg.shutdown()
+            except RuntimeError:
+                pass
+        self._store = None
+
+
+def _options(src: int) -> dist.BroadcastOptions:
+    options = dist.BroadcastOptions()
+    options.rootRank = src
+    options.rootTensor = 0
+    return options
