@@ -118,7 +118,7 @@ class TrainerClient(_Client):
 
     def destroy_weight_update_group(self, name: str) -> None:
         with self._call("DestroyWeightUpdateGroup"):
-            self._stub.DestroyWeightUpdateGroup(weights_pb2.DestroyWeightUpdateGroupRequest(group_name=name), timeout=30)
+            self._stub.DestroyWeightUpdateGroup(weights_pb2.DestroyWeightUpdateGroupRequest(group_name=name), timeout=10)
 
     def save_checkpoint(self, path: str, *, include_optimizer: bool = True) -> int:
         request = trainer_pb2.SaveCheckpointRequest(path=path, include_optimizer=include_optimizer)
@@ -178,8 +178,8 @@ class RolloutClient(_Client):
         request = rollout_pb2.UpdateWeightsRequest(
             version=manifest.version, manifest=manifest, timeout_s=timeout_s, verify=verify, **source
         )
-        with self._call("UpdateWeights"):
-            return self._stub.UpdateWeights(request, timeout=timeout_s + 30)
+        with self._call("UpdateWeights"):  # the sync's timeout bounds the whole call, with a little grace
+            return self._stub.UpdateWeights(request, timeout=timeout_s * 1.1 + 2)
 
     def init_weight_update_group(
         self, host: str, port: int, rank: int, world_size: int, name: str, backend: str, timeout_s: float
@@ -193,7 +193,7 @@ class RolloutClient(_Client):
 
     def destroy_weight_update_group(self, name: str) -> None:
         with self._call("DestroyWeightUpdateGroup"):
-            self._stub.DestroyWeightUpdateGroup(weights_pb2.DestroyWeightUpdateGroupRequest(group_name=name), timeout=30)
+            self._stub.DestroyWeightUpdateGroup(weights_pb2.DestroyWeightUpdateGroupRequest(group_name=name), timeout=10)
 
     def release_memory(self, tags: list[str]) -> rollout_pb2.RolloutStatus:
         with self._call("ReleaseMemory"):

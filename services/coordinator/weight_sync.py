@@ -130,7 +130,11 @@ class WeightSyncer:
             self.trainer.release_weights(reply.manifest.version)
 
     def _sync_broadcast(self, members) -> SyncResult:
-        reachable = [i for i in members if self._answers(i)]
+        # A cached group is used as it is: a member that died or stalls since fails the collective
+        # within the timeout. Only a group about to be (re)built is probed first, because a rank
+        # that never joins would hold every other rank until the timeout.
+        cached = self._group is not None and self._group.members == tuple(members)
+        reachable = list(members) if cached else [i for i in members if self._answers(i)]
         failures = {self.engines[i].address: "engine does not answer; left out of the group" for i in members if i not in reachable}
         if not reachable:
             return SyncResult(-1, "", 0, failures=failures)
@@ -183,10 +187,16 @@ class WeightSyncer:
         if group is None:
             return
         for client in (self.trainer, *(self.engines[i] for i in group.members)):
-            try:
-                client.destroy_weight_update_group(group.name)
-            except PeerError:
-                pass  # a dead member has nothing left to destroy
+            self._pool.submit(_destroy_quietly, client, group.name)  # a stalled member must not hold us
+
+
 
     def close(self) -> None:
         self._drop_group()
+
+
+def _destroy_quietly(client, name: str) -> None:
+    try:
+        client.destroy_weight_update_group(name)
+    except PeerError:
+        pass  # a dead member has nothing left to destroy

@@ -7,9 +7,6 @@ Staging buffers are kept between syncs so a steady-state sync allocates nothing.
 
 from __future__ import annotations
 
-import contextlib
-from typing import Iterator
-
 import torch
 
 from services.api import weights_pb2
@@ -41,11 +38,11 @@ def receive_broadcast(group: WeightGroup, src: int, manifest: Manifest, staging:
     return buffers
 
 
-@contextlib.contextmanager
-def receive_shm(source: weights_pb2.ShmSource, manifest: Manifest) -> Iterator[list[torch.Tensor]]:
-    with shm.attach(list(source.segment_names), manifest) as views:
-        verify_buckets(manifest, views)
-        yield views
+def receive_shm(reader: shm.ShmReader, source: weights_pb2.ShmSource, manifest: Manifest) -> list[torch.Tensor]:
+    """Verified views of the trainer's segments; the engine copies from them right away."""
+    views = reader.views(list(source.segment_names), manifest)
+    verify_buckets(manifest, views)
+    return views
 
 
 def receive_cuda_ipc(source: weights_pb2.CudaIpcSource, manifest: Manifest) -> list[torch.Tensor]:

@@ -18,7 +18,7 @@ from services.api import rollout_pb2, rollout_pb2_grpc, trainer_pb2, trainer_pb2
 from services.rollout.engine import EngineStateError, EngineUnavailable, RolloutEngine, RolloutSettings
 from services.rollout import receiver
 from services.rollout.torch_engine import Sampling
-from services.weights import capabilities
+from services.weights import capabilities, shm
 from services.weights.broadcast import WeightGroup
 from services.weights.errors import InvalidChunk, WeightSyncError
 from services.weights.fingerprint import default_algo
@@ -58,6 +58,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
         self._update_lock = threading.Lock()
         self._groups: dict[str, WeightGroup] = {}
         self._staging: receiver.Staging | None = None
+        self._shm = shm.ShmReader()
 
     def _require(self, context) -> RolloutEngine:
         if self._engine is None:
@@ -173,8 +174,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
                 self._groups.pop(group.name).close()  # a broken collective cannot be reused
                 raise
         elif source == "shm":
-            with receiver.receive_shm(request.shm, manifest) as views:
-                return engine.apply(manifest, views, read_back=read_back)
+            buffers = receiver.receive_shm(self._shm, request.shm, manifest)
         else:
             buffers = receiver.receive_cuda_ipc(request.cuda_ipc, manifest)
         return engine.apply(manifest, buffers, read_back=read_back)
@@ -201,9 +201,8 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
             group.close()
         return weights_pb2.DestroyWeightUpdateGroupResponse(success=group is not None)
 
-    @staticmethod
-    def _pull(endpoint: weights_pb2.TrainerEndpoint, manifest, timeout_s: float):
-        receiver = StreamReceiver(manifest)
+    def _pull(self, endpoint: weights_pb2.TrainerEndpoint, manifest, timeout_s: float):
+        receiver = StreamReceiver(manifest, buffers=self._staging.buffers(manifest))
         with contextlib.closing(rpc.open_channel(endpoint.address, endpoint.token or None)) as channel:
             stub = trainer_pb2_grpc.TrainerStub(channel)
             for chunk in stub.GetWeights(trainer_pb2.GetWeightsRequest(version=manifest.version), timeout=timeout_s):

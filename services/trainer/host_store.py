@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from services.weights.apply import copy_bytes_
 from services.weights.buckets import BucketSpec, plan_buckets, unpack_bucket
 
 ACTOR = "actor"
@@ -93,7 +94,7 @@ class HostStore:
                 for name, view in copy.views.items():
                     src = tensors[name]
                     device = src.device
-                    view.copy_(src.detach(), non_blocking=self.pinned)
+                    copy_bytes_(view, src.detach(), non_blocking=self.pinned)
                     moved += view.numel() * view.element_size()
             if wait:
                 _sync(device)
@@ -111,7 +112,7 @@ class HostStore:
                 for name, view in copy.views.items():
                     dst = tensors[name]
                     device = dst.device
-                    dst.copy_(view, non_blocking=self.pinned)
+                    copy_bytes_(dst, view, non_blocking=self.pinned)
                     moved += view.numel() * view.element_size()
             _sync(device)
             self.stats.bytes_restored += moved

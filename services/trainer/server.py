@@ -180,22 +180,23 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
     def GetWeights(self, request, context):
         with self._lock:
             self._require(context)
-            snap = self._pusher.source.current(request.version)
-        if snap is None:
-            context.abort(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                f"version: weights version {request.version} is not available; call GetWeightManifest first",
+            source = self._pusher.source
+        with source.reading(request.version) as snap:
+            if snap is None:
+                context.abort(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"version: weights version {request.version} is not available; call GetWeightManifest first",
+                )
+            num_buckets = len(snap.manifest.buckets)
+            bad = [b for b in request.buckets if not 0 <= b < num_buckets]
+            if bad:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"buckets: no bucket {bad[0]} (manifest has {num_buckets})")
+            yield from iter_chunks(
+                snap.manifest,
+                lambda i: snap.buffers[i],
+                list(request.buckets) or None,
+                chunk_bytes=request.chunk_bytes or DEFAULT_CHUNK_BYTES,
             )
-        num_buckets = len(snap.manifest.buckets)
-        bad = [b for b in request.buckets if not 0 <= b < num_buckets]
-        if bad:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"buckets: no bucket {bad[0]} (manifest has {num_buckets})")
-        yield from iter_chunks(
-            snap.manifest,
-            lambda i: snap.buffers[i],
-            list(request.buckets) or None,
-            chunk_bytes=request.chunk_bytes or DEFAULT_CHUNK_BYTES,
-        )
 
     def InitWeightUpdateGroup(self, request, context):
         with self._lock, rpc.abort_on(context, _ERRORS):

@@ -53,7 +53,18 @@ class WeightPusher:
         source, weights = trainer.weights_for_sync()
         if not self._on_device(plane):
             layout = trainer.store.layout if source == "host" else None
-            return self.source.snapshot(weights, layout, trainer.weights_version, source, algo).manifest
+            if plane != SHM:
+                return self.source.snapshot(weights, layout, trainer.weights_version, source, algo).manifest
+            # shm: live weights are packed straight into the shared segments (one copy, not two);
+            # a host-store copy is copied in once
+            if isinstance(weights, HostCopy):
+                segments = self._shm.buffers([b.numel() for b in weights.buffers])
+                for dst, src in zip(segments, weights.buffers):
+                    dst.copy_(src)
+                weights = HostCopy(segments, {}, weights.version)
+            return self.source.snapshot(
+                weights, layout, trainer.weights_version, source, algo, self._shm.buffers, kind="shm"
+            ).manifest
         return self._device_manifest(source, weights, algo)
 
     def _device_manifest(self, source: str, weights, algo: str) -> Manifest:
@@ -76,6 +87,8 @@ class WeightPusher:
 
     def snapshot(self, version: int, plane: int) -> Snapshot:
         snap = self._device_snapshot if self._on_device(plane) else self.source.current(version)
+        if snap is not None and plane == SHM and not self._shm.owns(snap.buffers):
+            snap = None  # made for another plane: ask for a manifest of this one first
         if snap is None or snap.manifest.version != version:
             raise ValueError(f"version: weights version {version} has no manifest; call GetWeightManifest first")
         return snap
@@ -123,9 +136,6 @@ class WeightPusher:
                 self.destroy_group(group.name)  # a broken collective cannot be reused
                 raise
         elif request.plane == SHM:
-            views = self._shm.buffers([b.nbytes for b in snap.manifest.buckets])
-            for view, flat in zip(views, snap.buffers):
-                view.copy_(flat)
             names = self._shm.names
         elif request.plane == CUDA_IPC:
             if self.trainer.device.type != "cuda":

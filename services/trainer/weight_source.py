@@ -1,16 +1,20 @@
-"""Serves the trainer's weights to the pull planes as fingerprinted buckets.
+"""Serves the trainer's weights to the host-side planes as fingerprinted buckets.
 
 A snapshot is taken once per (weights version, source, fingerprint algorithm) and reused by every
 engine that pulls that version, so all engines receive exactly the bytes the manifest describes.
 When the sync reads the host store, the snapshot *is* the host actor copy's buckets (no packing,
-no copy); when it reads live weights, they are packed into host buckets once.
+no copy); when it reads live weights, they are packed into host buckets that are allocated once
+and reused from version to version (fresh pages would cost a page fault per 4 KiB each sync). A
+new snapshot waits until streams still reading the previous one have finished.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import threading
 from dataclasses import dataclass
+from typing import Callable, Iterator
 
 import torch
 
@@ -18,20 +22,29 @@ from services.trainer.host_store import HostCopy
 from services.weights.buckets import BucketSpec, Manifest, pack_bucket, plan_buckets
 from services.weights.fingerprint import default_algo, fingerprint
 
+Allocator = Callable[[list[int]], list[torch.Tensor]]
 
 
 @dataclass(frozen=True)
 class Snapshot:
     manifest: Manifest
-    buffers: list[torch.Tensor]  # flat uint8 CPU tensors, one per bucket
+    buffers: list[torch.Tensor]  # flat uint8 host tensors, one per bucket
+
+
+def _host_buffers(sizes: list[int], cache: list[torch.Tensor]) -> list[torch.Tensor]:
+    if [b.numel() for b in cache] != sizes:
+        cache[:] = [torch.empty(n, dtype=torch.uint8) for n in sizes]
+    return cache
 
 
 class WeightSource:
     def __init__(self, bucket_bytes: int):
         self._bucket_bytes = bucket_bytes
-        self._lock = threading.Lock()
+        self._cond = threading.Condition()
+        self._readers = 0
         self._snapshot: Snapshot | None = None
         self._key: tuple | None = None
+        self._packed: list[torch.Tensor] = []
 
     def snapshot(
         self,
@@ -40,25 +53,47 @@ class WeightSource:
         version: int,
         source: str,
         algo: str = "",
+        allocate: Allocator | None = None,
+        kind: str = "host",
     ) -> Snapshot:
-        """`weights` is a host copy laid out as `layout`, or live named tensors (layout None)."""
-        key = (version, source, algo)
-        with self._lock:
-            if self._key != key:
-                if isinstance(weights, HostCopy):
-                    specs, buffers = layout, weights.buffers
-                else:
-                    specs = plan_buckets(list(weights.items()), self._bucket_bytes)
-                    with torch.no_grad():
-                        buffers = [pack_bucket(spec, weights).cpu() for spec in specs]
-                used = algo or default_algo(buffers[0].device if buffers else "cpu")
-                buckets = tuple(dataclasses.replace(s, fingerprint=fingerprint(b, used)) for s, b in zip(specs, buffers))
-                manifest = Manifest(version=version, source=source, buckets=buckets, fingerprint_algo=used)
-                self._snapshot, self._key = Snapshot(manifest, buffers), key
+        """`weights` is a host copy laid out as `layout`, or live named tensors (layout None) packed
+        into buffers from `allocate` (shared-memory segments, say) or reused host buffers."""
+        key = (version, source, algo, kind)
+        with self._cond:
+            if self._key == key:
+                return self._snapshot
+            while self._readers:  # the buffers are about to be rewritten
+                self._cond.wait()
+            if isinstance(weights, HostCopy):
+                specs, buffers = layout, weights.buffers
+            else:
+                specs = plan_buckets(list(weights.items()), self._bucket_bytes)
+                sizes = [s.nbytes for s in specs]
+                buffers = allocate(sizes) if allocate else _host_buffers(sizes, self._packed)
+                with torch.no_grad():
+                    for spec, out in zip(specs, buffers):
+                        pack_bucket(spec, weights, out=out)
+            used = algo or default_algo(buffers[0].device if buffers else "cpu")
+            buckets = tuple(dataclasses.replace(s, fingerprint=fingerprint(b[: s.nbytes], used)) for s, b in zip(specs, buffers))
+            manifest = Manifest(version=version, source=source, buckets=buckets, fingerprint_algo=used)
+            self._snapshot, self._key = Snapshot(manifest, list(buffers)), key
             return self._snapshot
 
     def current(self, version: int) -> Snapshot | None:
-        with self._lock:
+        with self._cond:
             if self._snapshot is not None and self._snapshot.manifest.version == version:
                 return self._snapshot
             return None
+
+    @contextlib.contextmanager
+    def reading(self, version: int) -> Iterator[Snapshot | None]:
+        """Hold the snapshot of `version` (or None) so it is not rewritten while it is streamed."""
+        with self._cond:
+            snap = self.current(version)
+            self._readers += 1
+        try:
+            yield snap
+        finally:
+            with self._cond:
+                self._readers -= 1
+                self._cond.notify_all()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Mapping, Sequence
 
+import numpy as np
 import torch
 
 from services.weights.buckets import Manifest, parse_dtype, unpack_bucket
@@ -70,6 +71,21 @@ def load_buckets_into(
     num_bytes = 0
     with torch.no_grad():
         for target, source in views:
-            target.copy_(source)
+            copy_bytes_(target, source)
             num_bytes += source.numel() * source.element_size()
     return num_bytes
+
+
+def copy_bytes_(target: torch.Tensor, source: torch.Tensor, non_blocking: bool = False) -> None:
+    """target.copy_(source) for same-dtype tensors, as a plain byte copy when both are contiguous.
+
+    On CPU, torch hands a copy of a few MB to its OpenMP team, which measured 1.4-1.9 GB/s on
+    this 2-core machine where numpy's single-threaded memcpy of the same bytes ran at 20 GB/s."""
+    if not (target.is_contiguous() and source.is_contiguous() and target.dtype == source.dtype):
+        target.copy_(source, non_blocking=non_blocking)
+        return
+    dst, src = target.view(-1).view(torch.uint8), source.reshape(-1).view(torch.uint8)
+    if dst.device.type == "cpu" and src.device.type == "cpu":
+        np.copyto(dst.numpy(), src.numpy())
+    else:
+        dst.copy_(src, non_blocking=non_blocking)

@@ -103,9 +103,12 @@ class _Ranges:
 class StreamReceiver:
     """Assembles one manifest's buckets from `WeightChunk`s into flat uint8 CPU buffers."""
 
-    def __init__(self, manifest: Manifest) -> None:
+    def __init__(self, manifest: Manifest, buffers: Optional[Sequence[torch.Tensor]] = None) -> None:
+        """`buffers` (flat uint8 CPU tensors sized as the buckets) are reused when given."""
         self.manifest = manifest
-        self._buffers = [torch.empty(b.nbytes, dtype=torch.uint8) for b in manifest.buckets]
+        if buffers is not None and [b.numel() for b in buffers] != [b.nbytes for b in manifest.buckets]:
+            raise ValueError("buffers: sizes do not match the manifest's buckets")
+        self._buffers = list(buffers) if buffers is not None else [torch.empty(b.nbytes, dtype=torch.uint8) for b in manifest.buckets]
         self._arrays = [buf.numpy() for buf in self._buffers]  # writable views of the buffers
         self._ranges = [_Ranges() for _ in manifest.buckets]
         self._finished = False

@@ -7,11 +7,8 @@ engines, which verify and copy straight from the mapped segments. Only names cro
 
 from __future__ import annotations
 
-import contextlib
 import secrets
 from multiprocessing import resource_tracker, shared_memory
-from typing import Iterator
-
 import torch
 
 from services.weights.buckets import Manifest
@@ -35,8 +32,11 @@ class ShmWriter:
                     name=f"{self._prefix}-{secrets.token_hex(8)}", create=True, size=max(size, 1)
                 )
                 self._segments.append(segment)
-                self._views.append(torch.frombuffer(segment.buf, dtype=torch.uint8, count=size) if size else torch.empty(0, dtype=torch.uint8))
+                self._views.append(_view(segment, size))
         return self._views
+
+    def owns(self, buffers: list[torch.Tensor]) -> bool:
+        return len(buffers) == len(self._views) and all(a is b for a, b in zip(buffers, self._views))
 
     @property
     def names(self) -> list[str]:
@@ -50,28 +50,46 @@ class ShmWriter:
         self._segments = []
 
 
-@contextlib.contextmanager
-def attach(names: list[str], manifest: Manifest) -> Iterator[list[torch.Tensor]]:
-    """Engine side: read-only-by-convention views of the trainer's segments, for the `with` block."""
-    if len(names) != len(manifest.buckets):
-        raise ValueError(f"shm.segment_names: {len(names)} segments for {len(manifest.buckets)} buckets")
-    segments, views = [], []
-    try:
+class ShmReader:
+    """Engine side: maps the trainer's segments and keeps them mapped while their names stay the
+    same, so a steady-state sync neither maps nor faults in pages again."""
+
+    def __init__(self):
+        self._segments: dict[str, shared_memory.SharedMemory] = {}
+
+    def views(self, names: list[str], manifest: Manifest) -> list[torch.Tensor]:
+        if len(names) != len(manifest.buckets):
+            raise ValueError(f"shm.segment_names: {len(names)} segments for {len(manifest.buckets)} buckets")
+        for stale in set(self._segments) - set(names):
+            self._segments.pop(stale).close()
+        views = []
         for name, bucket in zip(names, manifest.buckets):
-            try:
-                segment = shared_memory.SharedMemory(name=name)
-            except FileNotFoundError as e:
-                raise WeightSyncError(f"shm segment {name!r} of bucket {bucket.index} does not exist") from e
-            # Python < 3.13 registers attached segments for unlinking at exit: they are the trainer's.
-            resource_tracker.unregister(segment._name, "shared_memory")  # noqa: SLF001
-            segments.append(segment)
+            segment = self._segments.get(name)
+            if segment is None:
+                try:
+                    segment = shared_memory.SharedMemory(name=name)
+                except FileNotFoundError as e:
+                    raise WeightSyncError(f"shm segment {name!r} of bucket {bucket.index} does not exist") from e
+                # Python < 3.13 registers attached segments for unlinking at exit: they are the trainer's.
+                resource_tracker.unregister(segment._name, "shared_memory")  # noqa: SLF001
+                self._segments[name] = segment
             if segment.size < bucket.nbytes:
                 raise WeightSyncError(
                     f"shm segment {name!r} holds {segment.size} bytes, bucket {bucket.index} needs {bucket.nbytes}"
                 )
-            views.append(torch.frombuffer(segment.buf, dtype=torch.uint8, count=bucket.nbytes) if bucket.nbytes else torch.empty(0, dtype=torch.uint8))
-        yield views
-    finally:
-        views.clear()
-        for segment in segments:
-            segment.close()
+            views.append(_view(segment, bucket.nbytes))
+        return views
+
+    def close(self) -> None:
+        for segment in self._segments.values():
+            try:
+                segment.close()
+            except BufferError:
+                pass  # a view is still alive; the mapping goes with the process
+        self._segments.clear()
+
+
+def _view(segment: shared_memory.SharedMemory, nbytes: int) -> torch.Tensor:
+    if not nbytes:
+        return torch.empty(0, dtype=torch.uint8)
+    return torch.frombuffer(segment.buf, dtype=torch.uint8, count=nbytes)

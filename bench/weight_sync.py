@@ -1,0 +1,186 @@
+"""Weight-sync throughput of each data plane against its physical limit, measured in one run.
+
+Starts a real trainer and rollout engine(s) as processes (as `rlfleet run` does), syncs a model of
+--mb megabytes over every plane this machine offers, and measures beside it the limit the plane
+is bounded by: a raw loopback TCP socket (grpc_stream), a plain memory copy (shm), a bare
+gloo/NCCL broadcast of one flat tensor (broadcast), a device-to-device copy (cuda_ipc) and a
+pinned host->device copy (syncs from the host store of an offloaded trainer). Each sync is timed
+as the coordinator sees it (manifest, transfer, verification, load) after a train step, so every
+sync packs new weights. Prints one JSON line per plane; --out appends them to a file.
+
+    python bench/weight_sync.py --json --mb 512 --out bench/results/weight_sync-cpu-$(date +%F).jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.common import emit, median_seconds, record  # noqa: E402
+from services.api import rollout_pb2, trainer_pb2  # noqa: E402
+from services.coordinator.clients import RolloutClient, TrainerClient  # noqa: E402
+from services.coordinator.weight_sync import WeightSyncer  # noqa: E402
+from services.launcher import LocalFleet  # noqa: E402
+
+
+def make_model(directory: Path, target_mb: int) -> int:
+    from services.models import DecoderLM, ModelConfig, init_weights, make_char_tokenizer, save_hf_dir
+
+    tokenizer = make_char_tokenizer("0123456789+-= ")
+    hidden = 1024
+    per_layer = 4 * hidden * hidden + 3 * hidden * 2816
+    layers = max(1, int(target_mb * 1e6 / 4 / per_layer))
+    config = ModelConfig(
+        architecture="llama", vocab_size=tokenizer.vocab_size, hidden_size=hidden, intermediate_size=2816,
+        num_hidden_layers=layers, num_attention_heads=8, num_key_value_heads=8, head_dim=128,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+    )
+    with torch.device("meta"):
+        model = DecoderLM(config)
+    model = model.to_empty(device="cpu")
+    init_weights(model, seed=0)
+    save_hf_dir(model, config, directory)
+    tokenizer.save(directory)
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+# ---- limits -------------------------------------------------------------------------------------
+def tcp_limit(nbytes: int) -> float:
+    """A raw loopback socket: sendall of one buffer, recv_into a preallocated one."""
+    payload = bytearray(nbytes)
+    sink = bytearray(nbytes)
+    server = socket.create_server(("127.0.0.1", 0))
+    port = server.getsockname()[1]
+
+    def receive():
+        conn, _ = server.accept()
+        with conn:
+            view, got = memoryview(sink), 0
+            while got < nbytes:
+                got += conn.recv_into(view[got:], nbytes - got)
+
+    def once():
+        t = threading.Thread(target=receive)
+        t.start()
+        with socket.create_connection(("127.0.0.1", port)) as c:
+            c.sendall(payload)
+        t.join()
+
+    seconds = median_seconds(once)
+    server.close()
+    return nbytes / seconds / 1e9
+
+
+def memcpy_limit(nbytes: int) -> float:
+    src = torch.ones(nbytes, dtype=torch.uint8)
+    dst = torch.zeros(nbytes, dtype=torch.uint8)
+    return nbytes / median_seconds(lambda: dst.copy_(src)) / 1e9
+
+
+_GLOO_PEER = """
+import datetime, os, sys, time, torch, torch.distributed as dist
+rank, port, n = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+store = dist.TCPStore("127.0.0.1", port, 2, is_master=rank == 0, timeout=datetime.timedelta(seconds=60))
+pg = dist.ProcessGroupGloo(dist.PrefixStore("bench", store), rank, 2, datetime.timedelta(seconds=60))
+t = torch.ones(n, dtype=torch.uint8) if rank == 0 else torch.zeros(n, dtype=torch.uint8)
+opts = dist.BroadcastOptions()
+times = []
+for i in range(4):
+    pg.barrier().wait()
+    s = time.perf_counter(); pg.broadcast([t], opts).wait(); times.append(time.perf_counter() - s)
+if rank == 0:
+    print(sorted(times[1:])[1], flush=True)
+pg.barrier().wait()
+os._exit(0)  # gloo's destructor aborts at interpreter exit
+"""
+
+
+def gloo_limit(nbytes: int) -> float:
+    from services.weights.broadcast import free_port
+
+    port = free_port()
+    peer = subprocess.Popen([sys.executable, "-c", _GLOO_PEER, "1", str(port), str(nbytes)])
+    out = subprocess.run([sys.executable, "-c", _GLOO_PEER, "0", str(port), str(nbytes)], capture_output=True, text=True, check=True)
+    peer.wait()
+    return nbytes / float(out.stdout.strip()) / 1e9
+
+
+# ---- planes -------------------------------------------------------------------------------------
+def time_plane(trainer, engines, plane: str, repeats: int, pool) -> float:
+    syncer = WeightSyncer(
+        trainer=trainer, engines=engines, trainer_caps=trainer.capabilities,
+        engine_caps=[e.capabilities for e in engines], forced=plane, exact=False, timeout_s=600.0, token="", pool=pool,
+    )
+    sample = trainer_pb2.Sample(prompt_ids=[3, 4], response_ids=[5], advantage=1.0)
+    times = []
+    try:
+        for i in range(repeats + 1):
+            trainer.train_step(trainer_pb2.Batch(samples=[sample]))  # new weights: every sync packs afresh
+            start = time.perf_counter()
+            result = syncer.sync(set(range(len(engines))))
+            elapsed = time.perf_counter() - start
+            if result.failures:
+                raise RuntimeError(f"{plane} sync failed: {result.failures}")
+            if i:  # the first sync also builds groups and segments
+                times.append(elapsed)
+            print(f"  {plane} sync {i}: {elapsed:.3f}s", file=sys.stderr, flush=True)
+    finally:
+        syncer.close()
+    return statistics.median(times)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--mb", type=int, default=512, help="model size in MB (fp32)")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--planes", default="grpc_stream,shm,broadcast")
+    parser.add_argument("--json", action="store_true", help="JSON lines only on stdout (progress on stderr)")
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args(argv)
+    num_gpus = torch.cuda.device_count()
+    with tempfile.TemporaryDirectory() as tmp:
+        model_bytes = make_model(Path(tmp) / "model", args.mb)
+        print(f"model: {model_bytes / 1e6:.0f} MB", file=sys.stderr, flush=True)
+        fleet = LocalFleet(Path(tmp) / "logs")
+        pool = ThreadPoolExecutor(8)
+        try:
+            fleet.start("trainer", "trainer-0", [])
+            fleet.start("rollout", "rollout-0", [])
+            fleet.wait_ready(timeout_s=300)
+            trainer = TrainerClient(fleet.children[0].address)
+            engine = RolloutClient(fleet.children[1].address)
+            trainer.configure(trainer_pb2.TrainerConfig(model_path=str(Path(tmp) / "model"),
+                                                        optimizer=trainer_pb2.OptimizerConfig(lr=1e-6)))
+            engine.configure(rollout_pb2.RolloutConfig(model_path=str(Path(tmp) / "model")))
+            limits = {
+                "grpc_stream": ("tcp_loopback", lambda: tcp_limit(model_bytes)),
+                "shm": ("memcpy", lambda: memcpy_limit(model_bytes)),
+                "broadcast": ("gloo_broadcast", lambda: gloo_limit(model_bytes)),
+            }
+            for plane in args.planes.split(","):
+                seconds = time_plane(trainer, [engine], plane, args.repeats, pool)
+                limit_name, measure = limits[plane]
+                limit = measure()
+                line = record(plane, model_bytes / seconds / 1e9, limit, plane=plane, bytes=model_bytes,
+                              limit=limit_name, seconds=round(seconds, 4), num_gpus=num_gpus)
+                emit(line, args.out)
+        finally:
+            pool.shutdown()
+            fleet.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,174 @@
+"""Data planes between real processes: gloo broadcast to two engines, shared memory, gRPC stream;
+each delivers bit-identical weights; an engine killed or stalled mid-transfer fails the sync within
+its timeout while the trainer and the other engine stay usable, and the next sync succeeds."""
+
+from __future__ import annotations
+
+import os
+import signal
+import textwrap
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from services.api import coordinator_pb2, coordinator_pb2_grpc, rollout_pb2, trainer_pb2
+from services.coordinator.clients import PeerError, RolloutClient, TrainerClient
+from services.coordinator.weight_sync import WeightSyncer, choose_plane
+from services.launcher import LocalFleet
+from services.api import weights_pb2
+from tests.conftest import make_tiny_model
+from tests.integration.conftest import channel
+
+pytestmark = pytest.mark.faults
+
+
+@pytest.fixture(scope="module")
+def two_engine_fleet(tmp_path_factory):
+    local = LocalFleet(tmp_path_factory.mktemp("planes-logs"), env={"OMP_NUM_THREADS": "1"})
+    try:
+        trainer = local.start("trainer", "trainer-0", [])
+        engines = [local.start("rollout", f"rollout-{i}", []) for i in range(2)]
+        local.wait_ready()
+        local.start(
+            "coordinator", "coordinator",
+            ["--trainers", trainer.address, "--rollouts", ",".join(e.address for e in engines), "--db", "memory"],
+        )
+        local.wait_ready()
+        yield local
+    finally:
+        local.stop()
+
+
+def _sha256_matches(trainer: TrainerClient, engine: RolloutClient, bucket_bytes: int) -> bool:
+    manifest = trainer.weight_manifest("sha256")
+    version, prints = engine.fingerprints("sha256", bucket_bytes)
+    return version == manifest.version and prints == [b.fingerprint for b in manifest.buckets]
+
+
+@pytest.mark.parametrize("plane", ["broadcast", "shm", "grpc_stream"])
+def test_each_plane_delivers_bit_identical_weights_to_two_engines(two_engine_fleet, tiny_model_dir, task_files, tmp_path, plane):
+    train, test = task_files
+    job = textwrap.dedent(
+        f"""
+        name: plane-{plane}
+        model: {tiny_model_dir}
+        num_rollout: 2
+        output_dir: {tmp_path / 'out'}
+        rollout: {{prompts_per_step: 4, samples_per_prompt: 2, num_engines: 2, sampling: {{max_new_tokens: 3}}}}
+        data: {{train: {train}}}
+        eval: {{every: 0, datasets: [{{name: heldout, path: {test}, limit: 4, sampling: {{max_new_tokens: 3}}}}]}}
+        trainer: {{optimizer: {{lr: 0.01}}}}
+        weight_sync: {{plane: {plane}, verify: exact, bucket_mb: 1}}
+        """
+    )
+    children = {c.role: c for c in two_engine_fleet.children}
+    with channel(children["coordinator"].address) as ch:
+        coordinator = coordinator_pb2_grpc.CoordinatorStub(ch)
+        created = coordinator.CreateJob(coordinator_pb2.CreateJobRequest(config_yaml=job), timeout=30)
+        events = list(coordinator.WatchJob(coordinator_pb2.WatchJobRequest(job_id=created.id), timeout=120))
+        final = coordinator.GetJob(coordinator_pb2.GetJobRequest(job_id=created.id), timeout=10)
+    assert final.state == coordinator_pb2.JOB_STATE_SUCCEEDED, final.error
+    import json
+
+    syncs = [json.loads(e.data_json) for e in events if e.kind == "weight_sync"]
+    assert len(syncs) == 3 and all(s["plane"] == plane and not s["failures"] for s in syncs)
+    trainer = TrainerClient(children["trainer-0"].address)
+    for name in ("rollout-0", "rollout-1"):
+        assert _sha256_matches(trainer, RolloutClient(children[name].address), 1024 * 1024)
+
+
+def test_impossible_forced_plane_names_the_engine():
+    cpu = weights_pb2.Capabilities(host_id="a", broadcast_backends=["gloo"])
+    other_host = weights_pb2.Capabilities(host_id="b", broadcast_backends=["gloo"])
+    with pytest.raises(ValueError, match="cuda_ipc is impossible for engine e1: it shares no GPU"):
+        choose_plane(cpu, cpu, "cuda_ipc", "e1")
+    with pytest.raises(ValueError, match="shm is impossible for engine e2: it runs on another host"):
+        choose_plane(cpu, other_host, "shm", "e2")
+    assert choose_plane(cpu, cpu, "auto", "e") == "shm"
+    assert choose_plane(cpu, other_host, "auto", "e") == "broadcast"
+    gpu0 = weights_pb2.Capabilities(host_id="a", gpu_uuids=["GPU-0"])
+    gpu1 = weights_pb2.Capabilities(host_id="a", gpu_uuids=["GPU-1"])
+    assert choose_plane(gpu0, gpu0, "auto", "e") == "cuda_ipc"
+    assert choose_plane(gpu0, gpu1, "auto", "e") == "broadcast"
+
+
+@pytest.fixture
+def mid_model(tmp_path):
+    """About 60 MB of weights: bigger than socket buffers, so a stopped receiver really stalls."""
+    import torch
+
+    from services.models import DecoderLM, ModelConfig, init_weights, make_char_tokenizer, save_hf_dir
+
+    tokenizer = make_char_tokenizer("0123456789+-= ")
+    config = ModelConfig(
+        architecture="qwen3", vocab_size=tokenizer.vocab_size, hidden_size=1024, intermediate_size=2048,
+        num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4, head_dim=64,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(0)
+    model = DecoderLM(config)
+    init_weights(model, seed=0)
+    save_hf_dir(model, config, tmp_path / "mid")
+    tokenizer.save(tmp_path / "mid")
+    return tmp_path / "mid"
+
+
+def _configure(trainer: TrainerClient, engines: list[RolloutClient], model) -> None:
+    trainer.configure(trainer_pb2.TrainerConfig(model_path=str(model), bucket_bytes=8 << 20,
+                                                optimizer=trainer_pb2.OptimizerConfig(lr=1e-3)))
+    for engine in engines:
+        engine.configure(rollout_pb2.RolloutConfig(model_path=str(model), load_weights=True))
+
+
+@pytest.mark.parametrize("failure", ["killed", "stalled"])
+def test_a_failing_engine_mid_broadcast_leaves_trainer_and_others_usable(tmp_path, mid_model, failure):
+    local = LocalFleet(tmp_path / "logs", env={"OMP_NUM_THREADS": "1"})
+    try:
+        local.start("trainer", "trainer-0", [])
+        for i in range(2):
+            local.start("rollout", f"rollout-{i}", [])
+        local.wait_ready()
+        trainer = TrainerClient(local.children[0].address)
+        engines = [RolloutClient(c.address) for c in local.children[1:]]
+        _configure(trainer, engines, mid_model)
+        pool = ThreadPoolExecutor(8)
+        syncer = WeightSyncer(
+            trainer=trainer, engines=engines, trainer_caps=trainer.capabilities,
+            engine_caps=[e.capabilities for e in engines], forced="broadcast", exact=False, timeout_s=4.0,
+            token="", pool=pool,
+        )
+        first = syncer.sync({0, 1})
+        assert first.ok == {0, 1} and not first.failures
+        trainer.train_step(trainer_pb2.Batch(samples=[trainer_pb2.Sample(prompt_ids=[3, 4], response_ids=[5], advantage=1.0)]))
+
+        victim = local.children[2].process
+        os.kill(victim.pid, signal.SIGSTOP)
+        if failure == "killed":
+            threading.Timer(1.0, lambda: os.kill(victim.pid, signal.SIGKILL)).start()
+        started = time.monotonic()
+        broken = syncer.sync({0, 1})
+        took = time.monotonic() - started
+        assert 1 not in broken.ok and engines[1].address in broken.failures
+        assert took < 4.0 + 10.0  # the configured timeout, plus slack for a loaded 2-core box
+        print(f"{failure}: sync failed after {took:.1f}s: {broken.failures}")
+
+        # the trainer is fine: it answers, trains, and serves the next sync
+        assert trainer.status().configured
+        trainer.train_step(trainer_pb2.Batch(samples=[trainer_pb2.Sample(prompt_ids=[3, 4], response_ids=[5], advantage=1.0)]))
+        if failure == "stalled":
+            os.kill(victim.pid, signal.SIGKILL)
+        again = syncer.sync({0})
+        assert 0 in again.ok
+        assert engines[1].address in again.failures  # dead: left out of the rebuilt group
+        assert _sha256_matches(trainer, engines[0], 8 << 20)
+        syncer.close()
+        pool.shutdown()
+    finally:
+        for child in local.children:
+            try:
+                os.kill(child.process.pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+        local.stop()
