@@ -9,11 +9,11 @@ Packing and unpacking never change device: a GPU bucket stays on the GPU.
 
 from __future__ import annotations
 
+import ctypes
 import math
 from dataclasses import dataclass
 from typing import Iterable, Mapping, Optional
 
-import numpy as np
 import torch
 
 __all__ = [
@@ -213,8 +213,17 @@ def _check_flat(flat: torch.Tensor, spec: BucketSpec, what: str) -> None:
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """Byte copy; on CPU through numpy, whose memcpy beats torch's threaded copy here by 10x."""
     if dst.device.type == "cpu" and src.device.type == "cpu":
-        np.copyto(dst.numpy(), src.numpy())
+        memcpy(dst, src)
     else:
         dst.copy_(src)
+
+
+def memcpy(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """Copy a contiguous uint8 CPU tensor into another of the same size with one memmove.
+
+    torch's own CPU copy of a few MB goes through its OpenMP team and measured 10x slower on a
+    2-core machine; the memmove releases the GIL and touches no storage flags."""
+    if dst.numel() != src.numel() or not (dst.is_contiguous() and src.is_contiguous()):
+        raise ValueError(f"memcpy: {dst.numel()} and {src.numel()} bytes, both must be contiguous")
+    ctypes.memmove(dst.data_ptr(), src.data_ptr(), dst.numel() * dst.element_size())
