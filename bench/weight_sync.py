@@ -118,7 +118,29 @@ def gloo_limit(nbytes: int) -> float:
 
 
 # ---- planes -------------------------------------------------------------------------------------
-def time_plane(trainer, engines, plane: str, repeats: int, pool) -> float:
+def d2d_limit(nbytes: int) -> float:
+    src = torch.ones(nbytes, dtype=torch.uint8, device="cuda")
+    dst = torch.zeros(nbytes, dtype=torch.uint8, device="cuda")
+
+    def once():
+        dst.copy_(src)
+        torch.cuda.synchronize()
+
+    return nbytes / median_seconds(once) / 1e9
+
+
+def h2d_limit(nbytes: int) -> float:
+    src = torch.ones(nbytes, dtype=torch.uint8, pin_memory=True)
+    dst = torch.zeros(nbytes, dtype=torch.uint8, device="cuda")
+
+    def once():
+        dst.copy_(src, non_blocking=True)
+        torch.cuda.synchronize()
+
+    return nbytes / median_seconds(once) / 1e9
+
+
+def time_plane(trainer, engines, plane: str, repeats: int, pool, *, sleep: bool = False) -> float:
     syncer = WeightSyncer(
         trainer=trainer, engines=engines, trainer_caps=trainer.capabilities,
         engine_caps=[e.capabilities for e in engines], forced=plane, exact=False, timeout_s=600.0, token="", pool=pool,
@@ -128,6 +150,8 @@ def time_plane(trainer, engines, plane: str, repeats: int, pool) -> float:
     try:
         for i in range(repeats + 1):
             trainer.train_step(trainer_pb2.Batch(samples=[sample]))  # new weights: every sync packs afresh
+            if sleep:  # an offloaded trainer: the sync reads its host store
+                trainer.sleep()
             start = time.perf_counter()
             result = syncer.sync(set(range(len(engines))))
             elapsed = time.perf_counter() - start
@@ -145,7 +169,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mb", type=int, default=512, help="model size in MB (fp32)")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--planes", default="grpc_stream,shm,broadcast")
+    parser.add_argument("--planes", default=None, help="default: grpc_stream,shm,broadcast on CPU; "
+                        "cuda_ipc,cuda_ipc_host with --device cuda")
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda: trainer and engine share one GPU")
     parser.add_argument("--json", action="store_true", help="JSON lines only on stdout (progress on stderr)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
@@ -161,20 +187,26 @@ def main(argv: list[str] | None = None) -> int:
             fleet.wait_ready(timeout_s=300)
             trainer = TrainerClient(fleet.children[0].address)
             engine = RolloutClient(fleet.children[1].address)
-            trainer.configure(trainer_pb2.TrainerConfig(model_path=str(Path(tmp) / "model"),
-                                                        optimizer=trainer_pb2.OptimizerConfig(lr=1e-6)))
-            engine.configure(rollout_pb2.RolloutConfig(model_path=str(Path(tmp) / "model")))
             limits = {
                 "grpc_stream": ("tcp_loopback", lambda: tcp_limit(model_bytes)),
                 "shm": ("memcpy", lambda: memcpy_limit(model_bytes)),
                 "broadcast": ("gloo_broadcast", lambda: gloo_limit(model_bytes)),
+                "cuda_ipc": ("d2d_copy", lambda: d2d_limit(model_bytes)),
+                "cuda_ipc_host": ("pinned_h2d", lambda: h2d_limit(model_bytes)),
             }
-            for plane in args.planes.split(","):
-                seconds = time_plane(trainer, [engine], plane, args.repeats, pool)
-                limit_name, measure = limits[plane]
+            default = "cuda_ipc,cuda_ipc_host" if args.device == "cuda" else "grpc_stream,shm,broadcast"
+            for name in (args.planes or default).split(","):
+                from_host = name.endswith("_host")
+                plane = name.removesuffix("_host")
+                trainer.configure(trainer_pb2.TrainerConfig(
+                    model_path=str(Path(tmp) / "model"), device=args.device, offload=from_host,
+                    optimizer=trainer_pb2.OptimizerConfig(lr=1e-6)))
+                engine.configure(rollout_pb2.RolloutConfig(model_path=str(Path(tmp) / "model"), device=args.device))
+                seconds = time_plane(trainer, [engine], plane, args.repeats, pool, sleep=from_host)
+                limit_name, measure = limits[name]
                 limit = measure()
-                line = record(plane, model_bytes / seconds / 1e9, limit, plane=plane, bytes=model_bytes,
-                              limit=limit_name, seconds=round(seconds, 4), num_gpus=num_gpus)
+                line = record(name, model_bytes / seconds / 1e9, limit, plane=plane, source="host" if from_host else "live",
+                              bytes=model_bytes, limit=limit_name, seconds=round(seconds, 4), num_gpus=num_gpus)
                 emit(line, args.out)
         finally:
             pool.shutdown()
