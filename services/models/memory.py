@@ -42,3 +42,35 @@ def reallocate(tensors: list[torch.Tensor], sizes: list[int]) -> None:
 def as_bytes(t: torch.Tensor) -> torch.Tensor:
     """A flat uint8 view of a tensor's whole storage."""
     return torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
+
+
+def share_one_storage(tensors: list[torch.Tensor], align: int = 256) -> None:
+    """Move the tensors' values into one freshly allocated storage (each keeps its dtype and shape).
+
+    Releasing one storage is one free on the device instead of one per tensor: on an H200,
+    freeing ~280 separate segments cost 18 ms of a 146 ms Sleep."""
+    if not tensors:
+        return
+    device = tensors[0].device
+    offsets, total = [], 0
+    for t in tensors:
+        offsets.append(total)
+        total += (t.numel() * t.element_size() + align - 1) // align * align
+    flat = torch.empty(total, dtype=torch.uint8, device=device)
+    with torch.no_grad():
+        for t, offset in zip(tensors, offsets):
+            nbytes = t.numel() * t.element_size()
+            view = flat[offset : offset + nbytes].view(t.dtype).view(t.shape)
+            view.copy_(t)
+            t.data = view
+
+
+def unique_storages(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """One tensor per distinct storage (tensors sharing a storage are released together)."""
+    seen, out = set(), []
+    for t in tensors:
+        key = t.untyped_storage()._cdata  # noqa: SLF001 (identity of the StorageImpl)
+        if key not in seen:
+            seen.add(key)
+            out.append(t)
+    return out

@@ -15,12 +15,26 @@ from services.models import memory
 
 class Offloader:
     def __init__(self, params: list[torch.Tensor], pinned: bool):
-        memory.make_resizable(params)
         self.params = params
         self.pinned = pinned
-        self._param_bytes = [memory.storage_bytes(p) for p in params]
-        self._host: dict[int, torch.Tensor] = {}  # id(state tensor) -> host copy of its storage
-        self._state_bytes: dict[int, int] = {}
+        self._params_shared = False
+        self._host: dict[int, torch.Tensor] = {}  # id(storage owner) -> host copy of its storage
+        self._sizes: dict[int, int] = {}
+        self._state_owners: list[torch.Tensor] = []
+        self._state_ids: set[int] = set()
+
+    def _owners(self, state_tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The tensors whose storages Sleep frees: all parameters in one storage, and all
+        optimizer state in another (both gathered on first use, since state appears lazily)."""
+        if not self._params_shared:
+            memory.share_one_storage(self.params)
+            self._params_shared = True
+        state = self._offloadable(state_tensors)
+        if {id(t) for t in state} != self._state_ids:
+            memory.share_one_storage(state)
+            self._state_ids = {id(t) for t in state}
+            self._state_owners = memory.unique_storages(state)
+        return [*memory.unique_storages(self.params), *self._state_owners]
 
     @staticmethod
     def _offloadable(state_tensors: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -29,7 +43,7 @@ class Offloader:
 
     def device_bytes(self, state_tensors: list[torch.Tensor]) -> int:
         tensors = [*self.params, *(p.grad for p in self.params if p.grad is not None), *self._offloadable(state_tensors)]
-        return sum(memory.storage_bytes(t) for t in tensors)
+        return sum(memory.storage_bytes(t) for t in memory.unique_storages(tensors))
 
     @property
     def host_bytes(self) -> int:
@@ -40,27 +54,30 @@ class Offloader:
 
         Copies already queued on the current stream (the host store's capture of the weights)
         finish before anything is freed: one synchronisation covers them all."""
-        state = self._offloadable(state_tensors)
+        owners = self._owners(state_tensors)
+        params = set(id(t) for t in memory.unique_storages(self.params))
         with torch.no_grad():
-            for t in state:
+            for t in owners:
                 key = id(t)
-                if key not in self._host:
-                    self._state_bytes[key] = memory.storage_bytes(t)
-                    self._host[key] = torch.empty(self._state_bytes[key], dtype=torch.uint8, pin_memory=self.pinned)
+                self._sizes[key] = memory.storage_bytes(t)
+                if key in params:
+                    continue  # parameter values live in the host store; no second copy
+                if key not in self._host or self._host[key].numel() != self._sizes[key]:
+                    self._host[key] = torch.empty(self._sizes[key], dtype=torch.uint8, pin_memory=self.pinned)
                 self._host[key].copy_(memory.as_bytes(t), non_blocking=self.pinned)
             if self.params and self.params[0].device.type == "cuda":
                 torch.cuda.synchronize(self.params[0].device)
             for p in self.params:
                 p.grad = None
-            memory.release([*self.params, *state])
+            memory.release(owners)
 
     def reallocate(self, state_tensors: list[torch.Tensor]) -> None:
         """Give params back their storage (values undefined until restored) and reload the state."""
-        state = self._offloadable(state_tensors)
-        memory.reallocate(self.params, self._param_bytes)
-        memory.reallocate(state, [self._state_bytes[id(t)] for t in state])
+        owners = self._owners(state_tensors)
+        memory.reallocate(owners, [self._sizes[id(t)] for t in owners])
         with torch.no_grad():
-            for t in state:
-                memory.as_bytes(t).copy_(self._host[id(t)], non_blocking=self.pinned)
+            for t in owners:
+                if id(t) in self._host:
+                    memory.as_bytes(t).copy_(self._host[id(t)], non_blocking=self.pinned)
         if self.params and self.params[0].device.type == "cuda":
             torch.cuda.synchronize(self.params[0].device)
