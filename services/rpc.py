@@ -90,12 +90,17 @@ class Server:
 
     def wait_for_termination_or_signal(self, grace_s: float = 5.0) -> None:
         """Block until SIGTERM/SIGINT, then stop gracefully (in-flight calls get `grace_s`)."""
-        stop = threading.Event()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda *_: stop.set())
-        while not stop.wait(0.5):
-            pass
+        wait_for_signal()
         self.stop(grace_s)
+
+
+def wait_for_signal() -> None:
+    """Block the main thread until SIGTERM or SIGINT arrives."""
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    while not stop.wait(0.5):
+        pass
 
 
 def create_server(

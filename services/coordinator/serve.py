@@ -7,8 +7,6 @@ watchers see the end instead of hanging), REST and gRPC drain, and the store is 
 
 from __future__ import annotations
 
-import signal
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -49,11 +47,7 @@ class CoordinatorService:
         self.store.close()
 
     def wait_for_termination_or_signal(self, grace_s: float = 5.0) -> None:
-        stop = threading.Event()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda *_: stop.set())
-        while not stop.wait(0.5):
-            pass
+        rpc.wait_for_signal()
         self.stop(grace_s)
 
 

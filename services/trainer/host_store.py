@@ -88,16 +88,7 @@ class HostStore:
         (Sleep queues the optimizer-state copies behind these and waits once)."""
         with self._lock:
             copy = self._ensure(tag)
-            moved = 0
-            device = torch.device("cpu")
-            with torch.no_grad():
-                for name, view in copy.views.items():
-                    src = tensors[name]
-                    device = src.device
-                    copy_bytes_(view, src.detach(), non_blocking=self.pinned)
-                    moved += view.numel() * view.element_size()
-            if wait:
-                _sync(device)
+            moved = self._copy(copy, tensors, to_host=True, wait=wait)
             copy.version = version
             self.stats.bytes_captured += moved
             return moved
@@ -105,19 +96,25 @@ class HostStore:
     def restore(self, tag: str, tensors: dict[str, torch.Tensor]) -> int:
         """Copy the tag's host values into device tensors of the same names and shapes."""
         with self._lock:
-            copy = self.get(tag)
-            moved = 0
-            device = torch.device("cpu")
-            with torch.no_grad():
-                for name, view in copy.views.items():
-                    dst = tensors[name]
-                    device = dst.device
-                    copy_bytes_(dst, view, non_blocking=self.pinned)
-                    moved += view.numel() * view.element_size()
-            _sync(device)
+            moved = self._copy(self.get(tag), tensors, to_host=False, wait=True)
             self.stats.bytes_restored += moved
             self.stats.restores[tag] = self.stats.restores.get(tag, 0) + 1
             return moved
+
+    def _copy(self, copy: HostCopy, tensors: dict[str, torch.Tensor], *, to_host: bool, wait: bool) -> int:
+        moved, device = 0, torch.device("cpu")
+        with torch.no_grad():
+            for name, view in copy.views.items():
+                live = tensors[name]
+                device = live.device
+                if to_host:
+                    copy_bytes_(view, live.detach(), non_blocking=self.pinned)
+                else:
+                    copy_bytes_(live, view, non_blocking=self.pinned)
+                moved += view.numel() * view.element_size()
+        if wait:
+            _sync(device)
+        return moved
 
     def load_bytes_into(self, tag: str, other: "HostCopy") -> None:
         """Make `tag` a host-side copy of another host copy (old_actor <- actor)."""
