@@ -162,6 +162,9 @@ class RLLoop:
                 pool=self._pool,
             )
             self.emit("log", 0, {"message": f"weight planes: {dict(zip((e.address for e in self.fleet.engines), self.syncer.planes))}"})
+            if self.job.trainer.offload:  # an offloaded trainer sleeps whenever it is not training
+                for trainer in self.fleet.trainers:
+                    trainer.sleep()
             self.sync_weights(step=0)
         else:
             self.weights_version, self.checkpoint_step = status.weight_version, status.checkpoint_step
