@@ -16,19 +16,22 @@ A mapping given for a nested section overrides that section's default field by f
 from __future__ import annotations
 
 import dataclasses
-import difflib
-import inspect
-import math
-import os
 import re
-import types
-import typing
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Literal, Union
+from typing import Any, Literal
 
 import yaml
+
+from services.coordinator.dataclass_io import (  # noqa: F401 (ConfigError and from_dict are part of this API)
+    ConfigError,
+    FieldError,
+    StrictLoader,
+    from_dict,
+    json_schema,
+    to_dict,
+)
 
 RewardKind = Literal["exact_match", "math_answer", "countdown", "python", "http"]
 AdvantageKind = Literal["grpo", "dr_grpo", "reinforce_pp", "reinforce_pp_baseline", "ppo"]
@@ -45,22 +48,10 @@ _FUNCTION_RE = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*")
 _DEVICE_RE = re.compile(r"cpu|cuda(:\d+)?")
 
 
-class ConfigError(ValueError):
-    """A mistake in a job config; the message names the dotted field it is about."""
-
-
-class _FieldError(ConfigError):
-    """A component's own check failed; the loader prefixes `field` with the component's path."""
-
-    def __init__(self, field: str, reason: str) -> None:
-        super().__init__(f"{field}: {reason}")
-        self.field = field
-        self.reason = reason
-
 
 def _check(ok: bool, field: str, reason: str) -> None:
     if not ok:
-        raise _FieldError(field, reason)
+        raise FieldError(field, reason)
 
 
 # --------------------------------------------------------------------------- the tree
@@ -500,34 +491,6 @@ class JobConfig:
         return tuple(tags)
 
 
-# --------------------------------------------------------------------------- loading
-
-
-class _StrictLoader(yaml.SafeLoader):
-    """SafeLoader that rejects duplicate keys and reads `1e-5` as a float (as YAML 1.2 does)."""
-
-
-def _construct_mapping(loader: _StrictLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
-    loader.flatten_mapping(node)
-    seen: set[Any] = set()
-    for key_node, _ in node.value:
-        key = loader.construct_object(key_node, deep=True)
-        if not isinstance(key, typing.Hashable):
-            continue  # construct_mapping below reports unhashable keys itself
-        if key in seen:
-            raise ConfigError(f"duplicate key {key!r} (line {key_node.start_mark.line + 1})")
-        seen.add(key)
-    return loader.construct_mapping(node, deep=deep)
-
-
-_StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
-_StrictLoader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
-    re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
-    list("-+0123456789"),
-)
-
-
 def load_job(path: str | Path, *, check_files: bool = True) -> JobConfig:
     """Read a job YAML file; relative paths in it are resolved against the file's directory."""
     path = Path(path).expanduser().absolute()
@@ -549,7 +512,7 @@ def parse_job(text: str, base_dir: str | Path, *, check_files: bool = True) -> J
     pods with other volumes passes check_files=False.
     """
     try:
-        data = yaml.load(text, Loader=_StrictLoader)  # noqa: S506 - a SafeLoader subclass
+        data = yaml.load(text, Loader=StrictLoader)  # noqa: S506 - a SafeLoader subclass
     except yaml.YAMLError as e:
         raise ConfigError(f"invalid YAML: {e}") from e
     if data is None:
@@ -558,153 +521,6 @@ def parse_job(text: str, base_dir: str | Path, *, check_files: bool = True) -> J
     if check_files:
         check_paths(cfg)
     return cfg
-
-
-def from_dict(cls: type, data: Any, *, base_dir: str | Path, path: str = "") -> Any:
-    """Build dataclass `cls` from plain data (as YAML or JSON gives it), strictly.
-
-    Nested dataclasses, Optional, tuple[X, ...], tuple[X, Y], list[X], Literal, Path, int, float,
-    bool and str are understood. An int is accepted for a float, a bool never for an int.
-    """
-    base = Path(base_dir).expanduser().absolute()
-    return _convert(cls, data, path, base, None)
-
-
-def _convert(tp: Any, value: Any, path: str, base_dir: Path, default: Any, expected: str = "") -> Any:
-    """Convert `value` to type `tp`; `expected` overrides the type's name in messages (for Optional)."""
-    origin = typing.get_origin(tp)
-    expected = expected or _type_name(tp)
-    if dataclasses.is_dataclass(tp):
-        return _build(tp, value, path, base_dir, default if dataclasses.is_dataclass(default) else None, expected)
-    if origin in (Union, types.UnionType):
-        args = typing.get_args(tp)
-        if value is None and type(None) in args:
-            return None
-        (inner,) = [a for a in args if a is not type(None)]  # only Optional[X] unions appear in the tree
-        return _convert(inner, value, path, base_dir, default, expected)
-    if origin is Literal:
-        allowed = typing.get_args(tp)
-        if isinstance(value, str) and value in allowed:
-            return value
-        hint = _suggest(value, allowed) if isinstance(value, str) else _bool_hint(value)
-        raise ConfigError(f"{path}: expected {expected}; got {_describe(value)}{hint}")
-    if origin in (tuple, list):
-        if not isinstance(value, list | tuple):
-            raise ConfigError(f"{path}: expected {expected}, got {_describe(value)}")
-        args = typing.get_args(tp)
-        if origin is tuple and not (len(args) == 2 and args[1] is Ellipsis):
-            if len(value) != len(args):
-                raise ConfigError(f"{path}: expected a list of {len(args)} items, got {len(value)}")
-            item_types = args
-        else:
-            item_types = (args[0],) * len(value)
-        items = [_convert(t, v, f"{path}[{i}]", base_dir, None) for i, (t, v) in enumerate(zip(item_types, value))]
-        return tuple(items) if origin is tuple else items
-    if tp is Path:
-        if not isinstance(value, str) or not value:
-            raise ConfigError(f"{path}: expected {expected}, got {_describe(value)}{_bool_hint(value)}")
-        resolved = Path(value).expanduser()
-        if not resolved.is_absolute():
-            resolved = base_dir / resolved
-        return Path(os.path.normpath(resolved))
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-    elif tp is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            if not -(2**63) <= value < 2**63:  # the job store, protobuf and torch all hold int64
-                raise ConfigError(f"{path}: {_describe(value)} is out of range (a 64-bit integer)")
-            return value
-    elif tp is float:
-        if isinstance(value, int | float) and not isinstance(value, bool):
-            try:
-                finite = math.isfinite(value)
-            except OverflowError:  # an int beyond any float
-                raise ConfigError(f"{path}: expected a finite number, got {_describe(value)}") from None
-            if not finite:
-                raise ConfigError(f"{path}: expected a finite number, got {value}")
-            return float(value)
-    elif tp is str:
-        if isinstance(value, str):
-            return value
-    else:
-        raise TypeError(f"{path}: the config converter does not handle type {tp!r}")
-    raise ConfigError(f"{path}: expected {expected}, got {_describe(value)}{_bool_hint(value)}")
-
-
-def _build(cls: type, value: Any, path: str, base_dir: Path, base: Any, expected: str) -> Any:
-    """Build one dataclass from a mapping; fields left out come from `base`, else the class default."""
-    if not isinstance(value, dict):
-        raise ConfigError(f"{path or 'job config'}: expected {expected}, got {_describe(value)}")
-    hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
-    for key in value:
-        if key not in fields:
-            suggestion = _suggest(str(key), tuple(fields))
-            raise ConfigError(f"unknown key {_join(path, str(key))!r}{suggestion}")
-    kwargs: dict[str, Any] = {}
-    for name, f in fields.items():
-        sub_path = _join(path, name)
-        if name in value:
-            inner_default = getattr(base, name) if base is not None else _field_default(f)
-            kwargs[name] = _convert(hints[name], value[name], sub_path, base_dir, inner_default)
-        elif base is not None:
-            kwargs[name] = getattr(base, name)
-        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-            raise ConfigError(f"{sub_path}: required key is missing")
-    try:
-        return cls(**kwargs)
-    except _FieldError as e:
-        raise ConfigError(f"{_join(path, e.field)}: {e.reason}") from e
-
-
-def _field_default(f: dataclasses.Field) -> Any:
-    if f.default is not dataclasses.MISSING:
-        return f.default
-    if f.default_factory is not dataclasses.MISSING:
-        return f.default_factory()
-    return None
-
-
-def _join(path: str, name: str) -> str:
-    return f"{path}.{name}" if path else name
-
-
-def _suggest(word: str, choices: tuple[str, ...]) -> str:
-    close = difflib.get_close_matches(word, choices, n=1)
-    return f" (did you mean {close[0]!r}?)" if close else ""
-
-
-def _bool_hint(value: Any) -> str:
-    return " (YAML reads yes/no/on/off/true/false as booleans; quote it)" if isinstance(value, bool) else ""
-
-
-def _describe(value: Any) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, dict):
-        return "a mapping"
-    if isinstance(value, list | tuple):
-        return "a list"
-    text = repr(value)
-    return f"{type(value).__name__} {text if len(text) <= 60 else text[:57] + '...'}"
-
-
-def _type_name(tp: Any) -> str:
-    origin = typing.get_origin(tp)
-    if dataclasses.is_dataclass(tp):
-        return "a mapping"
-    if origin in (Union, types.UnionType):
-        (inner,) = [a for a in typing.get_args(tp) if a is not type(None)]
-        return f"{_type_name(inner)} or null"
-    if origin is Literal:
-        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
-    if origin in (tuple, list):
-        args = typing.get_args(tp)
-        if origin is tuple and not (len(args) == 2 and args[1] is Ellipsis):
-            return f"a list of {len(args)} items"
-        return f"a list of {_type_name(args[0])}"
-    return {Path: "a path", bool: "bool", int: "int", float: "float", str: "str"}.get(tp, repr(tp))
 
 
 # --------------------------------------------------------------------------- after loading
@@ -736,16 +552,6 @@ def resolve_output_dir(cfg: JobConfig, *, cwd: Path, now: datetime) -> Path:
     return Path(cwd).absolute() / "runs" / f"{cfg.name}-{now:%Y%m%d-%H%M%S}"
 
 
-def to_dict(cfg: Any) -> Any:
-    """Plain data (dicts, lists, str, numbers, None) for a config tree; paths become absolute strings."""
-    if dataclasses.is_dataclass(cfg) and not isinstance(cfg, type):
-        return {f.name: to_dict(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)}
-    if isinstance(cfg, Path):
-        return str(cfg.absolute())
-    if isinstance(cfg, list | tuple):
-        return [to_dict(v) for v in cfg]
-    return cfg
-
 
 def to_yaml(cfg: JobConfig) -> str:
     """The YAML form of `to_dict(cfg)`, in field order; `parse_job` reads it back to an equal config."""
@@ -757,66 +563,6 @@ def to_yaml(cfg: JobConfig) -> str:
 
 def job_json_schema() -> dict[str, Any]:
     """A JSON Schema (draft 2020-12) for job configs, derived from the dataclasses."""
-    defs: dict[str, Any] = {}
-    _schema(JobConfig, defs)
-    root = defs.pop(JobConfig.__name__)
-    return {"$schema": "https://json-schema.org/draft/2020-12/schema", "title": "rlfleet job", **root, "$defs": defs}
+    return {"$schema": "https://json-schema.org/draft/2020-12/schema", "title": "rlfleet job", **json_schema(JobConfig)}
 
 
-def _schema(tp: Any, defs: dict[str, Any]) -> dict[str, Any]:
-    origin = typing.get_origin(tp)
-    if dataclasses.is_dataclass(tp):
-        if tp.__name__ not in defs:
-            defs[tp.__name__] = {}  # placeholder first: a self-reference must not recurse forever
-            defs[tp.__name__] = _object_schema(tp, defs)
-        return {"$ref": f"#/$defs/{tp.__name__}"}
-    if origin in (Union, types.UnionType):
-        (inner,) = [a for a in typing.get_args(tp) if a is not type(None)]
-        return {"anyOf": [_schema(inner, defs), {"type": "null"}]}
-    if origin is Literal:
-        return {"type": "string", "enum": list(typing.get_args(tp))}
-    if origin in (tuple, list):
-        args = typing.get_args(tp)
-        if origin is tuple and not (len(args) == 2 and args[1] is Ellipsis):
-            items = [_schema(a, defs) for a in args]
-            return {"type": "array", "prefixItems": items, "items": False, "minItems": len(items)}
-        return {"type": "array", "items": _schema(args[0], defs)}
-    if tp is Path:
-        return {"type": "string", "minLength": 1, "description": "a path; relative paths are resolved "
-                "against the job file's directory"}
-    return {"type": {bool: "boolean", int: "integer", float: "number", str: "string"}[tp]}
-
-
-def _object_schema(cls: type, defs: dict[str, Any]) -> dict[str, Any]:
-    hints = typing.get_type_hints(cls)
-    docs = _field_docs(cls)
-    properties: dict[str, Any] = {}
-    required: list[str] = []
-    for f in dataclasses.fields(cls):
-        prop = _schema(hints[f.name], defs)
-        if f.name in docs:
-            prop = {**prop, "description": docs[f.name]}
-        if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-            required.append(f.name)
-        else:
-            prop["default"] = to_dict(_field_default(f))
-        properties[f.name] = prop
-    summary = (inspect.getdoc(cls) or "").split("\n\n")[0]
-    return {
-        "type": "object", "description": summary, "properties": properties,
-        "required": required, "additionalProperties": False,
-    }
-
-
-def _field_docs(cls: type) -> dict[str, str]:
-    """Per-field descriptions from the `Attributes:` section of a dataclass docstring."""
-    _, _, section = (inspect.getdoc(cls) or "").partition("Attributes:\n")
-    docs: dict[str, str] = {}
-    for line in section.splitlines():
-        if match := re.fullmatch(r"    (\w+): (.*)", line):
-            docs[match[1]] = match[2]
-        elif line.startswith("        ") and docs:
-            docs[next(reversed(docs))] += " " + line.strip()
-        else:
-            break
-    return docs
