@@ -124,7 +124,7 @@ def save_hf_dir(
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     state = {
-        name: t.detach().to("cpu").contiguous()
+        name: t.detach().to("cpu", copy=True).contiguous()  # own storage: safetensors refuses shared ones
         for name, t in model.state_dict().items()
         if not (name == _TIED_HEAD and config.tie_word_embeddings)
     }

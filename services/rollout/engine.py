@@ -101,15 +101,16 @@ class RolloutEngine:
         """Raise ManifestMismatch (a ValueError) when the update does not fit this model."""
         validate_against(manifest, self.expected_tensors())
 
-    def apply(self, manifest: Manifest, buffers: list[torch.Tensor], *, read_back: bool = False) -> int:
+    def apply(self, manifest: Manifest, buffers: list[torch.Tensor], *, read_back: bool = False, adopt: bool = False) -> int:
         """Copy verified buckets into the model and switch to the manifest's version atomically.
 
         With `read_back` (exact verification) the loaded weights are packed again and compared
-        with the manifest, proving the model holds exactly the trainer's bytes."""
+        with the manifest, proving the model holds exactly the trainer's bytes. With `adopt` the
+        model takes the verified buffers as its weights instead of copying them."""
         with self._lock:
             if "weights" in self.released:
                 raise EngineStateError("UpdateWeights: weights are released; call ResumeMemory(weights) first")
-            copied = load_buckets_into(dict(named_weights(self.model)), manifest, buffers)
+            copied = load_buckets_into(dict(named_weights(self.model)), manifest, buffers, adopt=adopt)
             actual = self._fingerprints_locked(manifest) if read_back else []
             expected = [b.fingerprint for b in manifest.buckets]
             if read_back and actual != expected:

@@ -17,17 +17,26 @@ from services.weights.verify import verify_buckets
 
 
 class Staging:
-    """Flat uint8 receive buffers, one per bucket, reused while sizes stay the same."""
+    """Two sets of flat uint8 receive buffers (one buffer per bucket), used in turn.
+
+    A verified set is adopted by the model as its weights (no copy), so the next update is
+    received into the other set; each set is reused while the bucket sizes stay the same."""
 
     def __init__(self, device: torch.device):
         self.device = device
-        self._buffers: list[torch.Tensor] = []
+        self._sets: list[list[torch.Tensor]] = [[], []]
+        self._adopted = 1  # the set the model holds; the next receive goes to the other one
 
     def buffers(self, manifest: Manifest) -> list[torch.Tensor]:
         sizes = [b.nbytes for b in manifest.buckets]
-        if [b.numel() for b in self._buffers] != sizes:
-            self._buffers = [torch.empty(n, dtype=torch.uint8, device=self.device) for n in sizes]
-        return self._buffers
+        free = 1 - self._adopted
+        if [b.numel() for b in self._sets[free]] != sizes:
+            self._sets[free] = [torch.empty(n, dtype=torch.uint8, device=self.device) for n in sizes]
+        return self._sets[free]
+
+    def adopted(self, buffers: list[torch.Tensor]) -> None:
+        """The model now holds `buffers` (a set from `buffers()`)."""
+        self._adopted = 0 if buffers is self._sets[0] else 1
 
 
 def receive_broadcast(group: WeightGroup, src: int, manifest: Manifest, staging: Staging) -> list[torch.Tensor]:

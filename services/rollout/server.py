@@ -164,20 +164,24 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
 
     def _receive_and_apply(self, engine, request, manifest, read_back: bool) -> int:
         source = request.WhichOneof("source")
+        if source in ("shm", "cuda_ipc"):  # the trainer's memory: copy out of it
+            if source == "shm":
+                buffers = receiver.receive_shm(self._shm, request.shm, manifest)
+            else:
+                buffers = receiver.receive_cuda_ipc(request.cuda_ipc, manifest)
+            return engine.apply(manifest, buffers, read_back=read_back)
         if source == "trainer":
             buffers = self._pull(request.trainer, manifest, request.timeout_s or DEFAULT_UPDATE_TIMEOUT_S)
-        elif source == "broadcast":
+        else:
             group = self._groups[request.broadcast.group_name]
             try:
                 buffers = receiver.receive_broadcast(group, request.broadcast.src_rank, manifest, self._staging)
             except WeightSyncError:
                 self._groups.pop(group.name).close()  # a broken collective cannot be reused
                 raise
-        elif source == "shm":
-            buffers = receiver.receive_shm(self._shm, request.shm, manifest)
-        else:
-            buffers = receiver.receive_cuda_ipc(request.cuda_ipc, manifest)
-        return engine.apply(manifest, buffers, read_back=read_back)
+        copied = engine.apply(manifest, buffers, read_back=read_back, adopt=True)  # our staging: no copy
+        self._staging.adopted(buffers)
+        return copied
 
     def InitWeightUpdateGroup(self, request, context):
         """Join a broadcast group as rank `rank_offset`; blocks until every rank has joined."""

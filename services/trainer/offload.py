@@ -27,7 +27,8 @@ class Offloader:
         """The tensors whose storages Sleep frees: all parameters in one storage, and all
         optimizer state in another (both gathered on first use, since state appears lazily)."""
         if not self._params_shared:
-            memory.share_one_storage(self.params)
+            if len(memory.unique_storages(self.params)) > 1:  # already one storage (bucket layout): keep it
+                memory.share_one_storage(self.params)
             self._params_shared = True
         state = self._offloadable(state_tensors)
         if {id(t) for t in state} != self._state_ids:

@@ -6,6 +6,7 @@ call at a time, and a weight pull must never observe a half-applied optimizer st
 
 from __future__ import annotations
 
+import contextlib
 import threading
 
 import grpc
@@ -105,6 +106,16 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         self._trainer: TorchTrainer | None = None
         self._pusher: WeightPusher | None = None
 
+    @contextlib.contextmanager
+    def _mutating(self):
+        """The trainer lock, plus exclusion of weight streams: live weights are about to change."""
+        with self._lock:
+            if self._pusher is None:
+                yield
+            else:
+                with self._pusher.source.exclusive():
+                    yield
+
     def _require(self, context) -> TorchTrainer:
         if self._trainer is None:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, "trainer is not configured: call Configure first")
@@ -144,15 +155,15 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
             return self._status()
 
     def Sleep(self, request, context):
-        with self._lock, rpc.abort_on(context, _ERRORS):
+        with self._mutating(), rpc.abort_on(context, _ERRORS):
             return trainer_pb2.SleepResponse(status=_lifecycle_proto(self._require(context).sleep()))
 
     def WakeUp(self, request, context):
-        with self._lock, rpc.abort_on(context, _ERRORS):
+        with self._mutating(), rpc.abort_on(context, _ERRORS):
             return trainer_pb2.WakeUpResponse(status=_lifecycle_proto(self._require(context).wake()))
 
     def ComputeLogProbs(self, request, context):
-        with self._lock, rpc.abort_on(context, _ERRORS):
+        with self._mutating(), rpc.abort_on(context, _ERRORS):
             trainer = self._require(context)
             values, entropy = trainer.compute_logprobs(request.tag, samples_from_proto(request.batch))
             return trainer_pb2.ComputeLogProbsResponse(
@@ -160,7 +171,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
             )
 
     def TrainStep(self, request, context):
-        with self._lock, rpc.abort_on(context, _ERRORS):
+        with self._mutating(), rpc.abort_on(context, _ERRORS):
             trainer = self._require(context)
             result = trainer.train_step(
                 samples_from_proto(request.batch),
@@ -225,7 +236,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
             return trainer_pb2.ReleaseWeightsResponse()
 
     def SaveCheckpoint(self, request, context):
-        with self._lock, rpc.abort_on(context, _ERRORS):
+        with self._mutating(), rpc.abort_on(context, _ERRORS):
             trainer = self._require(context)
             if not request.path:
                 raise ValueError("path: required")
@@ -234,7 +245,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
             return trainer_pb2.SaveCheckpointResponse(path=request.path, step=trainer.step)
 
     def LoadCheckpoint(self, request, context):
-        with self._lock, rpc.abort_on(context, _ERRORS):
+        with self._mutating(), rpc.abort_on(context, _ERRORS):
             trainer = self._require(context)
             if not request.path:
                 raise ValueError("path: required")

@@ -22,7 +22,8 @@ from services.trainer.host_store import ACTOR, HostCopy, HostStore
 from services.trainer.offload import Offloader
 from services.trainer.settings import SchedulerSettings, TrainerSettings
 from services.weights.apply import named_weights
-from services.weights.buckets import parse_dtype
+from services.models import memory
+from services.weights.buckets import parse_dtype, plan_buckets
 
 
 class TrainerStateError(RuntimeError):
@@ -85,6 +86,11 @@ class TorchTrainer:
         self.pad_id = self.model_config.pad_token_id or 0
         self.params = list(self.model.parameters())
         self.named = dict(named_weights(self.model))
+        # Weights live in the sync bucket layout: a bucket of live weights is a view, never packed.
+        self.layout = plan_buckets(list(self.named.items()), settings.bucket_bytes)
+        self.bucket_views = memory.lay_out(
+            self.named, [[(t.name, t.offset) for t in b.tensors] for b in self.layout], [b.nbytes for b in self.layout]
+        )
         self.master: list[torch.Tensor] | None = None
         if settings.master_weights == "fp32":
             if settings.dtype == "float32":

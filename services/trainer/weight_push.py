@@ -20,7 +20,7 @@ from services.trainer.host_store import HostCopy
 from services.trainer.weight_source import Snapshot, WeightSource
 from services.weights import cuda_ipc
 from services.weights.broadcast import WeightGroup, free_port
-from services.weights.buckets import Manifest, pack_bucket, plan_buckets
+from services.weights.buckets import Manifest
 from services.weights.errors import WeightSyncError
 from services.weights.fingerprint import default_algo, fingerprint
 from services.weights.shm import ShmWriter
@@ -53,8 +53,11 @@ class WeightPusher:
         source, weights = trainer.weights_for_sync()
         if not self._on_device(plane):
             layout = trainer.store.layout if source == "host" else None
+            views = None if source == "host" else trainer.bucket_views
             if plane != SHM:
-                return self.source.snapshot(weights, layout, trainer.weights_version, source, algo).manifest
+                return self.source.snapshot(
+                    weights, layout or trainer.layout, trainer.weights_version, source, algo, views=views
+                ).manifest
             # shm: live weights are packed straight into the shared segments (one copy, not two);
             # a host-store copy is copied in once
             if isinstance(weights, HostCopy):
@@ -76,9 +79,8 @@ class WeightPusher:
         if isinstance(weights, HostCopy):
             specs = trainer.store.layout
             buffers = [b.to(trainer.device, non_blocking=True) for b in weights.buffers]
-        else:
-            specs = plan_buckets(list(weights.items()), trainer.settings.bucket_bytes)
-            buffers = [pack_bucket(spec, weights) for spec in specs]
+        else:  # live weights already sit in bucket layout on the device: the buckets are views
+            specs, buffers = trainer.layout, trainer.bucket_views
         used = algo or default_algo(trainer.device)
         buckets = tuple(dataclasses.replace(s, fingerprint=fingerprint(b, used)) for s, b in zip(specs, buffers))
         manifest = Manifest(version=trainer.weights_version, source=source, buckets=buckets, fingerprint_algo=used)

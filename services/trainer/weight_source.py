@@ -55,9 +55,12 @@ class WeightSource:
         algo: str = "",
         allocate: Allocator | None = None,
         kind: str = "host",
+        views: list[torch.Tensor] | None = None,
     ) -> Snapshot:
-        """`weights` is a host copy laid out as `layout`, or live named tensors (layout None) packed
-        into buffers from `allocate` (shared-memory segments, say) or reused host buffers."""
+        """`weights` is a host copy laid out as `layout`, or live named tensors packed into buffers
+        from `allocate` (shared-memory segments, say) or reused host buffers. When the live
+        tensors already sit in bucket layout (`views`, one flat host view per bucket of `layout`),
+        the views are the buffers: nothing is packed."""
         key = (version, source, algo, kind)
         with self._cond:
             if self._key == key:
@@ -66,6 +69,8 @@ class WeightSource:
                 self._cond.wait()
             if isinstance(weights, HostCopy):
                 specs, buffers = layout, weights.buffers
+            elif views is not None and allocate is None and all(v.device.type == "cpu" for v in views):
+                specs, buffers = layout, views
             else:
                 specs = plan_buckets(list(weights.items()), self._bucket_bytes)
                 sizes = [s.nbytes for s in specs]
@@ -84,6 +89,16 @@ class WeightSource:
             if self._snapshot is not None and self._snapshot.manifest.version == version:
                 return self._snapshot
             return None
+
+    @contextlib.contextmanager
+    def exclusive(self) -> Iterator[None]:
+        """Held while live weights change (train, tag switch, sleep): waits for streams to finish,
+        keeps new ones out, and drops the snapshot, which may alias the live weights."""
+        with self._cond:
+            while self._readers:
+                self._cond.wait()
+            self._snapshot = self._key = None
+            yield
 
     @contextlib.contextmanager
     def reading(self, version: int) -> Iterator[Snapshot | None]:

@@ -39,9 +39,14 @@ def load_buckets_into(
     model_params: Mapping[str, torch.Tensor],
     manifest: Manifest,
     buffers: Sequence[torch.Tensor],
+    *,
+    adopt: bool = False,
 ) -> int:
     """Copy every tensor of the verified `buffers` (one flat uint8 per bucket) into the
-    same-named entry of `model_params`; returns the bytes copied.
+    same-named entry of `model_params`; returns the bytes loaded.
+
+    With `adopt` nothing is copied: each tensor is re-pointed at its slice of the buffers, which
+    from then on belong to the model (the caller must not reuse them while the model does).
 
     Tensors of the model that the manifest does not name are left alone: whether the manifest
     must cover the whole model is `validate_against`'s decision.
@@ -70,7 +75,10 @@ def load_buckets_into(
     num_bytes = 0
     with torch.no_grad():
         for target, source in views:
-            copy_bytes_(target, source)
+            if adopt:
+                target.data = source
+            else:
+                copy_bytes_(target, source)
             num_bytes += source.numel() * source.element_size()
     return num_bytes
 

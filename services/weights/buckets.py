@@ -227,3 +227,16 @@ def memcpy(dst: torch.Tensor, src: torch.Tensor) -> None:
     if dst.numel() != src.numel() or not (dst.is_contiguous() and src.is_contiguous()):
         raise ValueError(f"memcpy: {dst.numel()} and {src.numel()} bytes, both must be contiguous")
     ctypes.memmove(dst.data_ptr(), src.data_ptr(), dst.numel() * dst.element_size())
+
+
+def host_bytes(flat: torch.Tensor) -> memoryview:
+    """A zero-copy memoryview of a contiguous host tensor's bytes.
+
+    Not `tensor.numpy()`: exporting to numpy marks the storage as not resizable, and a trainer
+    that sleeps must resize its weight storage to zero."""
+    if flat.device.type != "cpu" or not flat.is_contiguous():
+        raise ValueError("host_bytes: needs a contiguous CPU tensor")
+    nbytes = flat.numel() * flat.element_size()
+    if nbytes == 0:
+        return memoryview(b"")
+    return memoryview((ctypes.c_char * nbytes).from_address(flat.data_ptr())).cast("B")

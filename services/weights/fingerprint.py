@@ -29,6 +29,8 @@ import hashlib
 
 import torch
 
+from services.weights.buckets import host_bytes
+
 __all__ = ["FINGERPRINT_ALGOS", "default_algo", "fingerprint", "fingerprint_algo"]
 
 FINGERPRINT_ALGOS = ("fast", "xxh3", "sha256")
@@ -65,12 +67,10 @@ def fingerprint(flat: torch.Tensor, algo: str = "fast") -> str:
     if algo == "xxh3":
         import xxhash
 
-        data = flat.detach().contiguous().cpu().numpy()  # a view for host tensors: no copy
-        return "xxh3:" + xxhash.xxh3_64_hexdigest(memoryview(data))
+        return "xxh3:" + xxhash.xxh3_64_hexdigest(host_bytes(flat.detach().contiguous().cpu()))
     if algo == "sha256":
         # Exact, host-side, for tests and debugging: copies the bytes to the host.
-        data = flat.detach().contiguous().cpu().numpy()
-        return "sha256:" + hashlib.sha256(memoryview(data)).hexdigest()
+        return "sha256:" + hashlib.sha256(host_bytes(flat.detach().contiguous().cpu())).hexdigest()
     raise ValueError(f"unknown fingerprint algo {algo!r} (known: {', '.join(FINGERPRINT_ALGOS)})")
 
 

@@ -15,11 +15,10 @@ import bisect
 from typing import Callable, Iterable, Iterator, Optional, Sequence
 
 import grpc
-import numpy as np
 import torch
 
 from services.api import weights_pb2
-from services.weights.buckets import Manifest
+from services.weights.buckets import Manifest, host_bytes
 from services.weights.errors import IncompleteTransfer, InvalidChunk, WeightSyncError
 from services.weights.verify import verify_buckets
 
@@ -60,12 +59,10 @@ def iter_chunks(
             raise ValueError(
                 f"bucket_source({index}) returned {flat.numel()} bytes, the manifest says {nbytes}"
             )
-        data = flat.detach().contiguous().numpy()  # [>= nbytes] uint8, shares memory
+        data = host_bytes(flat.detach().contiguous())  # [>= nbytes], shares memory
         for offset in range(0, nbytes, chunk_bytes):
             end = min(offset + chunk_bytes, nbytes)
-            yield weights_pb2.WeightChunk(
-                bucket=index, offset=offset, data=data[offset:end].tobytes()
-            )
+            yield weights_pb2.WeightChunk(bucket=index, offset=offset, data=bytes(data[offset:end]))
 
 
 class _Ranges:
@@ -109,7 +106,7 @@ class StreamReceiver:
         if buffers is not None and [b.numel() for b in buffers] != [b.nbytes for b in manifest.buckets]:
             raise ValueError("buffers: sizes do not match the manifest's buckets")
         self._buffers = list(buffers) if buffers is not None else [torch.empty(b.nbytes, dtype=torch.uint8) for b in manifest.buckets]
-        self._arrays = [buf.numpy() for buf in self._buffers]  # writable views of the buffers
+        self._views = [host_bytes(buf) for buf in self._buffers]  # writable views of the buffers
         self._ranges = [_Ranges() for _ in manifest.buckets]
         self._finished = False
 
@@ -137,7 +134,7 @@ class StreamReceiver:
                 f"chunk [{offset}, {offset + size}) of bucket {index} overlaps bytes already "
                 f"received (duplicate or overlapping chunk)"
             )
-        self._arrays[index][offset : offset + size] = np.frombuffer(chunk.data, dtype=np.uint8)
+        self._views[index][offset : offset + size] = chunk.data
 
     def finish(self, verify_algo: Optional[str] = None) -> list[torch.Tensor]:
         """Check completeness, then fingerprints, and return one flat buffer per bucket.
