@@ -76,25 +76,31 @@ def unique_storages(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     return out
 
 
-def lay_out(tensors: dict[str, torch.Tensor], regions: list[list[tuple[str, int]]], region_bytes: list[int],
-            align: int = 256) -> list[torch.Tensor]:
-    """Move named tensors into one new storage made of consecutive regions.
-
-    `regions[k]` lists (name, byte offset inside region k); region k is `region_bytes[k]` long and
-    starts at the next `align` boundary after region k-1. Returns the regions as flat uint8 views,
-    so whatever reads a region reads the tensors in place. Gaps are zero.
-    """
+def regions(region_bytes: list[int], device: torch.device, align: int = 256) -> list[torch.Tensor]:
+    """Consecutive flat uint8 regions of one new zeroed storage, each starting on an `align` boundary."""
     starts, total = [], 0
     for nbytes in region_bytes:
         starts.append(total)
         total += (nbytes + align - 1) // align * align
-    device = next(iter(tensors.values())).device if tensors else torch.device("cpu")
     flat = torch.zeros(max(total, 1), dtype=torch.uint8, device=device)
+    return [flat[start : start + nbytes] for start, nbytes in zip(starts, region_bytes)]
+
+
+def lay_out(tensors: dict[str, torch.Tensor], placement: list[list[tuple[str, int]]], region_bytes: list[int],
+            align: int = 256) -> list[torch.Tensor]:
+    """Move named tensors into one new storage made of consecutive regions.
+
+    `placement[k]` lists (name, byte offset inside region k); region k is `region_bytes[k]` long and
+    starts at the next `align` boundary after region k-1. Returns the regions as flat uint8 views,
+    so whatever reads a region reads the tensors in place. Gaps are zero.
+    """
+    device = next(iter(tensors.values())).device if tensors else torch.device("cpu")
+    flats = regions(region_bytes, device, align)
     with torch.no_grad():
-        for start, region in zip(starts, regions):
+        for flat, region in zip(flats, placement):
             for name, offset in region:
                 t = tensors[name]
-                view = flat[start + offset : start + offset + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+                view = flat[offset : offset + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
                 view.copy_(t)
                 t.data = view
-    return [flat[start : start + nbytes] for start, nbytes in zip(starts, region_bytes)]
+    return flats

@@ -18,6 +18,7 @@ import torch
 from services.api import weights_pb2
 from services.trainer.host_store import HostCopy
 from services.trainer.weight_source import Snapshot, WeightSource
+from services.models import memory
 from services.weights import cuda_ipc
 from services.weights.broadcast import WeightGroup, free_port
 from services.weights.buckets import Manifest
@@ -76,9 +77,11 @@ class WeightPusher:
         snap = self._device_snapshot
         if snap is not None and snap.manifest.version == trainer.weights_version and snap.manifest.source == source:
             return snap.manifest
-        if isinstance(weights, HostCopy):
+        if isinstance(weights, HostCopy):  # staged into one device storage, bucket after bucket
             specs = trainer.store.layout
-            buffers = [b.to(trainer.device, non_blocking=True) for b in weights.buffers]
+            buffers = memory.regions([b.numel() for b in weights.buffers], trainer.device)
+            for dst, src in zip(buffers, weights.buffers):
+                dst.copy_(src, non_blocking=True)
         else:  # live weights already sit in bucket layout on the device: the buckets are views
             specs, buffers = trainer.layout, trainer.bucket_views
         used = algo or default_algo(trainer.device)

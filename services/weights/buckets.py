@@ -239,4 +239,6 @@ def host_bytes(flat: torch.Tensor) -> memoryview:
     nbytes = flat.numel() * flat.element_size()
     if nbytes == 0:
         return memoryview(b"")
-    return memoryview((ctypes.c_char * nbytes).from_address(flat.data_ptr())).cast("B")
+    raw = (ctypes.c_char * nbytes).from_address(flat.data_ptr())
+    raw._owner = flat  # the view keeps the tensor alive (callers often pass a temporary)
+    return memoryview(raw).cast("B")

@@ -130,3 +130,14 @@ def test_pack_and_unpack_name_the_problem():
         unpack_bucket(spec, torch.zeros(spec.nbytes - 1, dtype=torch.uint8))
     with pytest.raises(ValueError, match="uint8"):
         unpack_bucket(spec, torch.zeros(spec.nbytes, dtype=torch.float32))
+
+
+def test_host_bytes_keeps_a_temporary_tensor_alive():
+    import gc
+
+    from services.weights.buckets import host_bytes
+
+    view = host_bytes(torch.arange(4096, dtype=torch.int64).view(torch.uint8).clone())
+    gc.collect()
+    _ = [torch.full((4096 * 8,), 255, dtype=torch.uint8) for _ in range(64)]  # would reuse freed memory
+    assert bytes(view[:16]) == torch.tensor([0, 1], dtype=torch.int64).view(torch.uint8).numpy().tobytes()
