@@ -103,12 +103,10 @@ class ReadySet:
             self._listeners.append(listener)
 
 
-class StaticDiscovery:
-    """Fixed address lists: every listed worker is taken to be ready."""
+class ReadySetDiscovery:
+    """The read side of the Discovery protocol, answered from a ReadySet kept in `self._ready`."""
 
-    def __init__(self, trainers: Sequence[str], rollouts: Sequence[str]) -> None:
-        self._ready = ReadySet()
-        self._ready.replace(trainers, rollouts)
+    _ready: ReadySet
 
     def trainers(self) -> list[str]:
         return self._ready.snapshot()[0]
@@ -121,6 +119,14 @@ class StaticDiscovery:
 
     def subscribe(self, listener: Listener) -> None:
         self._ready.subscribe(listener)
+
+
+class StaticDiscovery(ReadySetDiscovery):
+    """Fixed address lists: every listed worker is taken to be ready."""
+
+    def __init__(self, trainers: Sequence[str], rollouts: Sequence[str]) -> None:
+        self._ready = ReadySet()
+        self._ready.replace(trainers, rollouts)
 
     def resync(self) -> None:
         pass

@@ -20,7 +20,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 import urllib3
 from kubernetes import client, config
@@ -28,7 +28,7 @@ from kubernetes.client.exceptions import ApiException
 from kubernetes.config.config_exception import ConfigException
 
 from services import rpc
-from services.coordinator.discovery import DiscoveryError, Listener, ReadySet, rank_key
+from services.coordinator.discovery import DiscoveryError, ReadySet, ReadySetDiscovery, rank_key
 
 log = rpc.get_logger("coordinator.k8s")
 
@@ -131,7 +131,7 @@ def _shutdown(response) -> None:
             sock.shutdown(socket.SHUT_RDWR)
 
 
-class KubernetesDiscovery:
+class KubernetesDiscovery(ReadySetDiscovery):
     """Ready trainer and rollout pods of one release; call start() before use, close() after."""
 
     def __init__(self, cfg: KubernetesDiscoveryConfig, api: client.CoreV1Api | None = None) -> None:
@@ -150,19 +150,7 @@ class KubernetesDiscovery:
     def __repr__(self) -> str:
         return f"pods of instance {self.cfg.instance!r} in namespace {self.cfg.namespace!r}"
 
-    # ---- the Discovery protocol ----------------------------------------------------------------
-    def trainers(self) -> list[str]:
-        return self._ready.snapshot()[0]
-
-    def rollouts(self) -> list[str]:
-        return self._ready.snapshot()[1]
-
-    def wait_until(self, predicate: Callable[[list[str], list[str]], bool], timeout_s: float) -> bool:
-        return self._ready.wait_until(predicate, timeout_s)
-
-    def subscribe(self, listener: Listener) -> None:
-        self._ready.subscribe(listener)
-
+    # ---- the Discovery protocol (reads come from ReadySetDiscovery) ----------------------------
     def resync(self) -> None:
         """List the pods now and replace what is known; raises DiscoveryError."""
         with self._api_errors("listing"):

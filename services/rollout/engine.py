@@ -111,7 +111,7 @@ class RolloutEngine:
             if "weights" in self.released:
                 raise EngineStateError("UpdateWeights: weights are released; call ResumeMemory(weights) first")
             copied = load_buckets_into(dict(named_weights(self.model)), manifest, buffers, adopt=adopt)
-            actual = self._fingerprints_locked(manifest) if read_back else []
+            actual = self._fingerprints_locked(manifest.buckets, manifest.fingerprint_algo) if read_back else []
             expected = [b.fingerprint for b in manifest.buckets]
             if read_back and actual != expected:
                 bad = next(i for i, (a, e) in enumerate(zip(actual, expected)) if a != e)
@@ -128,10 +128,11 @@ class RolloutEngine:
     def _leave_pool_locked(self, reason: str) -> None:
         self.serving, self.last_error = False, reason
 
-    def _fingerprints_locked(self, manifest: Manifest) -> list[str]:
+    def _fingerprints_locked(self, buckets, algo: str) -> list[str]:
+        """Fingerprints of the model's weights laid out as `buckets` (caller holds the lock)."""
         tensors = dict(named_weights(self.model))
         with torch.no_grad():
-            return [fingerprint(pack_bucket(b, tensors), manifest.fingerprint_algo) for b in manifest.buckets]
+            return [fingerprint(pack_bucket(b, tensors), algo) for b in buckets]
 
     def release_memory(self, tags: list[str]) -> None:
         """Free device memory by tag. Released weights lose their values: the engine serves again
@@ -155,10 +156,7 @@ class RolloutEngine:
         with self._lock:
             if "weights" in self.released:
                 raise EngineStateError("GetWeightFingerprints: weights are released")
-            named = named_weights(self.model)
-            tensors = dict(named)
-            with torch.no_grad():
-                return [fingerprint(pack_bucket(b, tensors), algo) for b in plan_buckets(named, bucket_bytes)]
+            return self._fingerprints_locked(plan_buckets(named_weights(self.model), bucket_bytes), algo)
 
 
 def _check_tags(tags: list[str]) -> list[str]:
