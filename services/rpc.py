@@ -14,7 +14,7 @@ import logging
 import signal
 import threading
 from concurrent import futures
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
 import grpc
@@ -72,6 +72,7 @@ class Server:
     health: health.HealthServicer
     port: int
     service_names: tuple[str, ...]
+    on_stop: list[Callable[[], None]] = field(default_factory=list)  # run after the last call ends
 
     def set_serving(self, serving: bool) -> None:
         status = (
@@ -87,6 +88,8 @@ class Server:
         self.set_serving(False)
         self.health.enter_graceful_shutdown()
         self.grpc_server.stop(grace_s).wait()
+        for hook in self.on_stop:
+            hook()
 
     def wait_for_termination_or_signal(self, grace_s: float = 5.0) -> None:
         """Block until SIGTERM/SIGINT, then stop gracefully (in-flight calls get `grace_s`)."""

@@ -20,6 +20,15 @@ def make_resizable(tensors: list[torch.Tensor]) -> None:
                 t.data = t.data.clone()
 
 
+def drop_fixed_storage(tensors: list[torch.Tensor]) -> None:
+    """Tensors in a fixed-size storage (an adopted shared-memory segment, a mapped file) cannot
+    be resized: give them fresh, untouched storage of their size and drop their values."""
+    with torch.no_grad():
+        for t in tensors:
+            if not t.untyped_storage().resizable():
+                t.data = torch.empty_like(t.data)
+
+
 def storage_bytes(t: torch.Tensor) -> int:
     return t.untyped_storage().nbytes()
 

@@ -140,6 +140,7 @@ class RolloutEngine:
         tags = _check_tags(tags)
         with self._lock:
             if "weights" in tags and "weights" not in self.released:
+                memory.drop_fixed_storage(self._params)  # adopted shm segments are the trainer's
                 self._param_sizes = memory.release(self._params)
                 self._leave_pool_locked("weights were released; waiting for a full weight update")
             # The torch engine allocates its KV cache per Generate call: nothing stays allocated.

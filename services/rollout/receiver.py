@@ -1,7 +1,7 @@
 """The engine's side of the data planes: receive every bucket into staging, verify, hand over.
 
-Nothing here touches the model: each function returns verified flat buckets (or, for shm, views
-of verified segments valid inside a `with` block), and the engine swaps them in afterwards.
+Nothing here touches the model: each function returns verified flat buckets (for shm, views of
+the trainer's locked segments), and the engine swaps them in afterwards.
 Staging buffers are kept between syncs so a steady-state sync allocates nothing.
 """
 
@@ -48,8 +48,9 @@ def receive_broadcast(group: WeightGroup, src: int, manifest: Manifest, staging:
 
 
 def receive_shm(reader: shm.ShmReader, source: weights_pb2.ShmSource, manifest: Manifest) -> list[torch.Tensor]:
-    """Verified views of the trainer's segments; the engine copies from them right away."""
-    views = reader.views(list(source.segment_names), manifest)
+    """Verified views of the trainer's segments, locked so the trainer cannot rewrite them: the
+    engine adopts them as its weights, then calls `reader.adopted()` (or `reader.abandon()`)."""
+    views = reader.open(list(source.segment_names), manifest)
     verify_buckets(manifest, views)
     return views
 

@@ -164,12 +164,20 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
 
     def _receive_and_apply(self, engine, request, manifest, read_back: bool) -> int:
         source = request.WhichOneof("source")
-        if source in ("shm", "cuda_ipc"):  # the trainer's memory: copy out of it
-            if source == "shm":
+        if source == "shm":  # the trainer's segments become our weights: nothing is copied
+            try:
                 buffers = receiver.receive_shm(self._shm, request.shm, manifest)
-            else:
-                buffers = receiver.receive_cuda_ipc(request.cuda_ipc, manifest)
-            return engine.apply(manifest, buffers, read_back=read_back)
+                copied = engine.apply(manifest, buffers, read_back=read_back, adopt=True)
+            except BaseException:
+                self._shm.abandon()
+                raise
+            self._shm.adopted()
+            return copied
+        if source == "cuda_ipc":  # the trainer's GPU memory: copy out of it
+            buffers = receiver.receive_cuda_ipc(request.cuda_ipc, manifest)
+            copied = engine.apply(manifest, buffers, read_back=read_back)
+            self._shm.release()  # no longer serving a trainer's segments, if it ever did
+            return copied
         if source == "trainer":
             buffers = self._pull(request.trainer, manifest, request.timeout_s or DEFAULT_UPDATE_TIMEOUT_S)
         else:
@@ -181,6 +189,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
                 raise
         copied = engine.apply(manifest, buffers, read_back=read_back, adopt=True)  # our staging: no copy
         self._staging.adopted(buffers)
+        self._shm.release()  # no longer serving a trainer's segments, if it ever did
         return copied
 
     def InitWeightUpdateGroup(self, request, context):
@@ -215,7 +224,10 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
 
     def ReleaseMemory(self, request, context):
         with self._update_lock, rpc.abort_on(context, _ERRORS):
-            self._require(context).release_memory(list(request.tags))
+            engine = self._require(context)
+            engine.release_memory(list(request.tags))
+            if "weights" in engine.released:
+                self._shm.release()  # the trainer may rewrite segments we served
             return rollout_pb2.ReleaseMemoryResponse(status=self._status())
 
     def ResumeMemory(self, request, context):

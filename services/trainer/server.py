@@ -135,6 +135,12 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
             checkpoint_step=t.checkpoint_step,
         )
 
+    def close(self) -> None:
+        """Leave nothing behind: broadcast groups, shared-memory segments."""
+        with self._lock:
+            if self._pusher is not None:
+                self._pusher.close()
+
     def Configure(self, request, context):
         with self._lock, rpc.abort_on(context, _ERRORS):
             settings = settings_from_proto(request.config)
@@ -262,5 +268,6 @@ def build_server(address: str = "127.0.0.1:0", token: str | None = None) -> rpc.
         address=address,
         token=token,
     )
+    server.on_stop.append(servicer.close)
     server.set_serving(True)
     return server

@@ -23,7 +23,7 @@ from services.weights import cuda_ipc
 from services.weights.broadcast import WeightGroup, free_port
 from services.weights.buckets import Manifest
 from services.weights.errors import WeightSyncError
-from services.weights.fingerprint import default_algo, fingerprint
+from services.weights.fingerprint import copy_and_fingerprint, default_algo, fingerprint
 from services.weights.shm import ShmWriter
 
 GRPC_STREAM, BROADCAST, CUDA_IPC, SHM = (
@@ -41,6 +41,8 @@ class WeightPusher:
         self.groups: dict[str, WeightGroup] = {}
         self._shm = ShmWriter()
         self._device_snapshot: Snapshot | None = None
+        self._shm_snapshot: Snapshot | None = None
+        self._shm_names: list[str] = []
         self._lock = threading.Lock()
 
     # ---- manifests ---------------------------------------------------------------------------
@@ -52,24 +54,42 @@ class WeightPusher:
     def manifest(self, plane: int, algo: str = "") -> Manifest:
         trainer = self.trainer
         source, weights = trainer.weights_for_sync()
-        if not self._on_device(plane):
-            layout = trainer.store.layout if source == "host" else None
-            views = None if source == "host" else trainer.bucket_views
-            if plane != SHM:
-                return self.source.snapshot(
-                    weights, layout or trainer.layout, trainer.weights_version, source, algo, views=views
-                ).manifest
-            # shm: live weights are packed straight into the shared segments (one copy, not two);
-            # a host-store copy is copied in once
-            if isinstance(weights, HostCopy):
-                segments = self._shm.buffers([b.numel() for b in weights.buffers])
-                for dst, src in zip(segments, weights.buffers):
+        if self._on_device(plane):
+            return self._device_manifest(source, weights, algo)
+        layout = trainer.store.layout if source == "host" else trainer.layout
+        if plane == SHM:
+            return self._shm_manifest(source, weights, layout, algo)
+        views = None if source == "host" else trainer.bucket_views
+        return self.source.snapshot(weights, layout, trainer.weights_version, source, algo, views=views).manifest
+
+    def _shm_manifest(self, source: str, weights, layout, algo: str) -> Manifest:
+        """Copy the weights into the shm segment set written next, hashing each piece on the way."""
+        trainer = self.trainer
+        snap = self._shm_snapshot
+        used = algo or "xxh3"
+        if snap is not None and (snap.manifest.version, snap.manifest.source, snap.manifest.fingerprint_algo) == (
+            trainer.weights_version, source, used
+        ):
+            return snap.manifest
+        buffers = weights.buffers if isinstance(weights, HostCopy) else trainer.bucket_views
+        self._shm_snapshot = None
+        segments = self._shm.begin([s.nbytes for s in layout])
+        try:
+            prints = []
+            for spec, dst, src in zip(layout, segments, buffers):
+                src = src[: spec.nbytes]
+                if used == "xxh3" and src.device.type == "cpu":
+                    prints.append(copy_and_fingerprint(dst, src))
+                else:  # exact mode, or a trainer on a GPU forced onto shm
                     dst.copy_(src)
-                weights = HostCopy(segments, {}, weights.version)
-            return self.source.snapshot(
-                weights, layout, trainer.weights_version, source, algo, self._shm.buffers, kind="shm"
-            ).manifest
-        return self._device_manifest(source, weights, algo)
+                    prints.append(fingerprint(dst, used))
+        finally:
+            names = self._shm.end()
+        buckets = tuple(dataclasses.replace(s, fingerprint=f) for s, f in zip(layout, prints))
+        manifest = Manifest(version=trainer.weights_version, source=source, buckets=buckets, fingerprint_algo=used)
+        self._shm_snapshot = Snapshot(manifest, segments)
+        self._shm_names = names
+        return manifest
 
     def _device_manifest(self, source: str, weights, algo: str) -> Manifest:
         """Buckets on the trainer's GPU: packed from live weights, or staged from the host copy."""
@@ -91,9 +111,12 @@ class WeightPusher:
         return manifest
 
     def snapshot(self, version: int, plane: int) -> Snapshot:
-        snap = self._device_snapshot if self._on_device(plane) else self.source.current(version)
-        if snap is not None and plane == SHM and not self._shm.owns(snap.buffers):
-            snap = None  # made for another plane: ask for a manifest of this one first
+        if self._on_device(plane):
+            snap = self._device_snapshot
+        elif plane == SHM:
+            snap = self._shm_snapshot
+        else:
+            snap = self.source.current(version)
         if snap is None or snap.manifest.version != version:
             raise ValueError(f"version: weights version {version} has no manifest; call GetWeightManifest first")
         return snap
@@ -141,7 +164,7 @@ class WeightPusher:
                 self.destroy_group(group.name)  # a broken collective cannot be reused
                 raise
         elif request.plane == SHM:
-            names = self._shm.names
+            names = self._shm_names
         elif request.plane == CUDA_IPC:
             if self.trainer.device.type != "cuda":
                 raise ValueError("plane: cuda_ipc needs a trainer on a CUDA device")

@@ -14,16 +14,13 @@ import contextlib
 import dataclasses
 import threading
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import Iterator
 
 import torch
 
 from services.trainer.host_store import HostCopy
 from services.weights.buckets import BucketSpec, Manifest, pack_bucket, plan_buckets
 from services.weights.fingerprint import default_algo, fingerprint
-
-Allocator = Callable[[list[int]], list[torch.Tensor]]
-
 
 @dataclass(frozen=True)
 class Snapshot:
@@ -53,15 +50,12 @@ class WeightSource:
         version: int,
         source: str,
         algo: str = "",
-        allocate: Allocator | None = None,
-        kind: str = "host",
         views: list[torch.Tensor] | None = None,
     ) -> Snapshot:
-        """`weights` is a host copy laid out as `layout`, or live named tensors packed into buffers
-        from `allocate` (shared-memory segments, say) or reused host buffers. When the live
-        tensors already sit in bucket layout (`views`, one flat host view per bucket of `layout`),
-        the views are the buffers: nothing is packed."""
-        key = (version, source, algo, kind)
+        """`weights` is a host copy laid out as `layout`, or live named tensors packed into reused
+        host buffers. When the live tensors already sit in bucket layout (`views`, one flat host
+        view per bucket of `layout`), the views are the buffers: nothing is packed."""
+        key = (version, source, algo)
         with self._cond:
             if self._key == key:
                 return self._snapshot
@@ -69,12 +63,12 @@ class WeightSource:
                 self._cond.wait()
             if isinstance(weights, HostCopy):
                 specs, buffers = layout, weights.buffers
-            elif views is not None and allocate is None and all(v.device.type == "cpu" for v in views):
+            elif views is not None and all(v.device.type == "cpu" for v in views):
                 specs, buffers = layout, views
             else:
                 specs = plan_buckets(list(weights.items()), self._bucket_bytes)
                 sizes = [s.nbytes for s in specs]
-                buffers = allocate(sizes) if allocate else _host_buffers(sizes, self._packed)
+                buffers = _host_buffers(sizes, self._packed)
                 with torch.no_grad():
                     for spec, out in zip(specs, buffers):
                         pack_bucket(spec, weights, out=out)

@@ -1,95 +1,227 @@
-"""The shared-memory plane: buckets in POSIX shared memory, for CPU processes on one host.
+"""The shared-memory plane: buckets in POSIX shared memory (/dev/shm), for CPU processes on one host.
 
-The trainer keeps one segment per bucket and reuses them from sync to sync (new segments only
-when a bucket's size changes), writes the buckets there and hands the segment names to the
-engines, which verify and copy straight from the mapped segments. Only names cross the socket.
+The trainer writes a weights version into a set of segments (one per bucket) and hands the names
+to the engines. An engine maps them, verifies them and *adopts* them: its parameters become views
+of the segments, so a sync costs the trainer one copy (hashed on the way) and the engine one
+hash, and every engine on the host serves the same physical copy. Only names cross the socket.
+
+Two sets are written in turn, so the set the engines serve is never the one being written. An
+engine holds a shared `flock` on every segment it serves; the trainer takes an exclusive one
+before rewriting a set, and when it cannot (an engine whose last update failed still serves the
+older set, say) it unlinks that set and writes a fresh one instead, so a previous version is
+never changed under an engine. Locks go away with the process that held them. Linux only.
 """
 
 from __future__ import annotations
 
+import errno
+import fcntl
+import os
 import secrets
-from multiprocessing import resource_tracker, shared_memory
+from dataclasses import dataclass, field
+from multiprocessing import resource_tracker
+from pathlib import Path
+
 import torch
 
 from services.weights.buckets import Manifest
 from services.weights.errors import WeightSyncError
 
+SHM_DIR = Path("/dev/shm")
+
+
+def available() -> bool:
+    return SHM_DIR.is_dir() and os.access(SHM_DIR, os.W_OK)
+
+
+def _map(path: Path, nbytes: int) -> torch.Tensor:
+    """A flat uint8 tensor over the file's first `nbytes` (MAP_SHARED; the mapping lives as long
+    as the tensor or any view of it)."""
+    if not nbytes:
+        return torch.empty(0, dtype=torch.uint8)
+    return torch.from_file(str(path), shared=True, size=nbytes, dtype=torch.uint8)
+
+
+def _try_lock(fd: int, kind: int) -> bool:
+    try:
+        fcntl.flock(fd, kind | fcntl.LOCK_NB)
+        return True
+    except OSError as e:
+        if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+            return False
+        raise
+
+
+@dataclass
+class _SegmentSet:
+    names: list[str]
+    fds: list[int]
+    views: list[torch.Tensor]
+    sizes: list[int] = field(default_factory=list)
+
+    @classmethod
+    def create(cls, prefix: str, sizes: list[int]) -> "_SegmentSet":
+        if not available():
+            raise WeightSyncError(f"shm: {SHM_DIR} is missing or not writable; use another weight_sync.plane")
+        made = cls([], [], [], list(sizes))
+        try:
+            for size in sizes:
+                name = f"{prefix}-{secrets.token_hex(8)}"
+                fd = os.open(SHM_DIR / name, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+                made.names.append(name)
+                made.fds.append(fd)
+                # The resource tracker unlinks the segment should this process die without close().
+                resource_tracker.register(f"/{name}", "shared_memory")
+                os.ftruncate(fd, max(size, 1))
+                made.views.append(_map(SHM_DIR / name, size))
+        except OSError as e:
+            made.close()
+            raise WeightSyncError(f"shm: cannot create a {sum(sizes)}-byte segment set in {SHM_DIR}: {e}") from e
+        return made
+
+    def lock_for_writing(self) -> bool:
+        """Exclusive locks on every segment, or none (False: some engine still serves this set)."""
+        for k, fd in enumerate(self.fds):
+            if not _try_lock(fd, fcntl.LOCK_EX):
+                for held in self.fds[:k]:
+                    fcntl.flock(held, fcntl.LOCK_UN)
+                return False
+        return True
+
+    def unlock(self) -> None:
+        for fd in self.fds:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+
+    def close(self) -> None:
+        """Unlink and close; engines that mapped the segments keep them until they let go."""
+        for name in self.names:
+            try:
+                os.unlink(SHM_DIR / name)
+            except FileNotFoundError:
+                pass
+            resource_tracker.unregister(f"/{name}", "shared_memory")
+        for fd in self.fds:
+            os.close(fd)
+        self.names, self.fds, self.views = [], [], []
+
 
 class ShmWriter:
-    """Trainer side: owns the segments (and unlinks them on close)."""
+    """Trainer side: two segment sets used in turn (and unlinked on close)."""
 
     def __init__(self, prefix: str = "rlfleet"):
         self._prefix = prefix
-        self._segments: list[shared_memory.SharedMemory] = []
-        self._views: list[torch.Tensor] = []
+        self._sets: list[_SegmentSet | None] = [None, None]
+        self._last = 1  # the set written last; the next write goes to the other one
+        self._writing: _SegmentSet | None = None
+        self.fresh_sets = 0  # sets created because the old one was held or resized (for tests, logs)
 
-    def buffers(self, sizes: list[int]) -> list[torch.Tensor]:
-        """Writable flat uint8 tensors over one segment per bucket, sized as asked."""
-        if [v.numel() for v in self._views] != sizes:
-            self.close()
-            for size in sizes:
-                segment = shared_memory.SharedMemory(
-                    name=f"{self._prefix}-{secrets.token_hex(8)}", create=True, size=max(size, 1)
-                )
-                self._segments.append(segment)
-                self._views.append(_view(segment, size))
-        return self._views
+    def begin(self, sizes: list[int]) -> list[torch.Tensor]:
+        """Exclusively locked, writable flat uint8 views of the set to write next; call `end()`."""
+        k = 1 - self._last
+        current = self._sets[k]
+        if current is None or current.sizes != sizes or not current.lock_for_writing():
+            if current is not None:
+                current.close()
+            current = self._sets[k] = _SegmentSet.create(self._prefix, sizes)
+            self.fresh_sets += 1
+            if not current.lock_for_writing():
+                raise WeightSyncError("shm: a segment set that was just created is locked")
+        self._writing, self._last = current, k
+        return current.views
+
+    def end(self) -> list[str]:
+        """Release the write locks; returns the names of the set just written."""
+        written, self._writing = self._writing, None
+        written.unlock()
+        return list(written.names)
 
     def owns(self, buffers: list[torch.Tensor]) -> bool:
-        return len(buffers) == len(self._views) and all(a is b for a, b in zip(buffers, self._views))
+        return any(s is not None and len(s.views) == len(buffers) and all(a is b for a, b in zip(s.views, buffers))
+                   for s in self._sets)
 
-    @property
-    def names(self) -> list[str]:
-        return [s.name for s in self._segments]
+    def names_of(self, buffers: list[torch.Tensor]) -> list[str]:
+        for s in self._sets:
+            if s is not None and len(s.views) == len(buffers) and all(a is b for a, b in zip(s.views, buffers)):
+                return list(s.names)
+        raise ValueError("shm: these buffers are not a segment set of this writer")
 
     def close(self) -> None:
-        self._views = []
-        for segment in self._segments:
-            segment.close()
-            segment.unlink()
-        self._segments = []
+        for k, s in enumerate(self._sets):
+            if s is not None:
+                s.close()
+            self._sets[k] = None
 
 
 class ShmReader:
-    """Engine side: maps the trainer's segments and keeps them mapped while their names stay the
-    same, so a steady-state sync neither maps nor faults in pages again."""
+    """Engine side: maps the trainer's segments (kept mapped while the trainer reuses them, so a
+    steady-state sync neither maps nor faults in pages again) and holds shared locks on the set
+    the engine serves."""
 
     def __init__(self):
-        self._segments: dict[str, shared_memory.SharedMemory] = {}
+        self._maps: dict[str, torch.Tensor] = {}
+        self._held: dict[str, int] = {}  # name -> fd with a shared lock: the set being served
+        self._pending: dict[str, int] = {}  # locked for an update not yet adopted
+        self._opened: list[str] = []
+        self._previous: set[str] = set()
 
-    def views(self, names: list[str], manifest: Manifest) -> list[torch.Tensor]:
+    def open(self, names: list[str], manifest: Manifest) -> list[torch.Tensor]:
+        """Lock and map one segment per bucket; `adopted()` or `abandon()` must follow."""
         if len(names) != len(manifest.buckets):
             raise ValueError(f"shm.segment_names: {len(names)} segments for {len(manifest.buckets)} buckets")
-        for stale in set(self._segments) - set(names):
-            self._segments.pop(stale).close()
-        views = []
-        for name, bucket in zip(names, manifest.buckets):
-            segment = self._segments.get(name)
-            if segment is None:
-                try:
-                    segment = shared_memory.SharedMemory(name=name)
-                except FileNotFoundError as e:
-                    raise WeightSyncError(f"shm segment {name!r} of bucket {bucket.index} does not exist") from e
-                # Python < 3.13 registers attached segments for unlinking at exit: they are the trainer's.
-                resource_tracker.unregister(segment._name, "shared_memory")  # noqa: SLF001
-                self._segments[name] = segment
-            if segment.size < bucket.nbytes:
-                raise WeightSyncError(
-                    f"shm segment {name!r} holds {segment.size} bytes, bucket {bucket.index} needs {bucket.nbytes}"
-                )
-            views.append(_view(segment, bucket.nbytes))
+        self.abandon()
+        try:
+            views = [self._open_one(name, bucket.index, bucket.nbytes) for name, bucket in zip(names, manifest.buckets)]
+        except BaseException:
+            self.abandon()
+            raise
+        self._opened = list(names)
         return views
 
-    def close(self) -> None:
-        for segment in self._segments.values():
+    def _open_one(self, name: str, index: int, nbytes: int) -> torch.Tensor:
+        if not name or "/" in name or name.startswith("."):
+            raise ValueError(f"shm.segment_names: {name!r} is not a segment name")
+        fd = self._held.get(name)
+        if fd is None:
             try:
-                segment.close()
-            except BufferError:
-                pass  # a view is still alive; the mapping goes with the process
-        self._segments.clear()
+                fd = os.open(SHM_DIR / name, os.O_RDWR)
+            except FileNotFoundError as e:
+                raise WeightSyncError(f"shm segment {name!r} of bucket {index} does not exist") from e
+            if not _try_lock(fd, fcntl.LOCK_SH):
+                os.close(fd)
+                raise WeightSyncError(f"shm segment {name!r} is being rewritten by the trainer (a newer version)")
+            self._pending[name] = fd
+        size = os.fstat(fd).st_size
+        if size < nbytes:
+            raise WeightSyncError(f"shm segment {name!r} holds {size} bytes, bucket {index} needs {nbytes}")
+        mapped = self._maps.get(name)
+        if mapped is None or mapped.numel() != size:
+            mapped = self._maps[name] = _map(SHM_DIR / name, size)
+        return mapped[:nbytes]
 
+    def adopted(self) -> None:
+        """The engine now serves the set opened last: keep its locks, release the previous set's."""
+        current = set(self._opened)
+        for name in [n for n in self._held if n not in current]:
+            os.close(self._held.pop(name))
+        self._held.update(self._pending)
+        self._pending = {}
+        for name in [n for n in self._maps if n not in current and n not in self._previous]:
+            del self._maps[name]  # neither of the two sets the trainer writes in turn
+        self._previous = current
 
-def _view(segment: shared_memory.SharedMemory, nbytes: int) -> torch.Tensor:
-    if not nbytes:
-        return torch.empty(0, dtype=torch.uint8)
-    return torch.frombuffer(segment.buf, dtype=torch.uint8, count=nbytes)
+    def abandon(self) -> None:
+        """The update failed: release its locks; the set being served keeps its own."""
+        for fd in self._pending.values():
+            os.close(fd)
+        self._pending = {}
+
+    def release(self) -> None:
+        """The engine serves no segment any more (its weights were released or replaced)."""
+        self.abandon()
+        for fd in self._held.values():
+            os.close(fd)
+        self._held = {}
+
+    def close(self) -> None:
+        self.release()
+        self._maps.clear()

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from services.weights.buckets import pack_bucket, plan_buckets
-from services.weights.fingerprint import fingerprint, fingerprint_algo
+from services.weights.fingerprint import IncrementalFingerprint, copy_and_fingerprint, fingerprint, fingerprint_algo
 
 # The package re-exports the function `fingerprint`, which shadows the submodule attribute.
 fp_module = importlib.import_module("services.weights.fingerprint")
@@ -109,12 +109,45 @@ def test_sha256_is_exact_and_unknown_algo_is_named():
         fingerprint_algo("nohex")
 
 
-def test_xxh3_is_the_reference_digest_and_catches_a_flipped_byte():
+def _reference_xxh3(data: bytes) -> str:
+    """The documented definition, written out independently of the module."""
+    import struct
+
     import xxhash
 
-    flat = torch.randint(0, 256, (100_003,), dtype=torch.uint8)
+    piece = 16 << 20
+    digests = [xxhash.xxh3_64_intdigest(data[i : i + piece]) for i in range(0, max(len(data), 1), piece)]
+    return "xxh3:" + xxhash.xxh3_64_hexdigest(struct.pack(f"<{1 + len(digests)}Q", len(data), *digests))
+
+
+@pytest.mark.parametrize("nbytes", [0, 100_003, (16 << 20) * 2 + 5])
+def test_xxh3_follows_its_definition_and_catches_a_flipped_byte(nbytes):
+    flat = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)
     value = fingerprint(flat, "xxh3")
-    assert value == "xxh3:" + xxhash.xxh3_64_hexdigest(flat.numpy().tobytes())
-    flat[77_777] ^= 1
-    assert fingerprint(flat, "xxh3") != value
+    assert value == _reference_xxh3(flat.numpy().tobytes())
+    if nbytes:
+        flat[nbytes - 3] ^= 1  # in the last piece
+        assert fingerprint(flat, "xxh3") != value
     assert fingerprint_algo(value) == "xxh3"
+
+
+def test_copy_and_fingerprint_copies_exactly_and_hashes_the_copy():
+    src = torch.randint(0, 256, ((16 << 20) + 300_001,), dtype=torch.uint8)
+    dst = torch.zeros_like(src)
+    value = copy_and_fingerprint(dst, src)
+    assert torch.equal(dst, src)
+    assert value == fingerprint(src, "xxh3")
+    with pytest.raises(ValueError, match="one size"):
+        copy_and_fingerprint(dst[:10], src)
+
+
+def test_incremental_fingerprint_of_a_buffer_filled_in_parts_equals_the_whole():
+    data = torch.randint(0, 256, ((16 << 20) * 3 + 12_345,), dtype=torch.uint8)
+    buffer = torch.zeros_like(data)
+    hasher = IncrementalFingerprint(buffer)
+    for start in range(0, data.numel(), 5_000_000):  # parts that do not line up with pieces
+        stop = min(start + 5_000_000, data.numel())
+        buffer[start:stop] = data[start:stop]
+        hasher.filled(stop)
+    assert hasher.result() == fingerprint(data, "xxh3")
+
