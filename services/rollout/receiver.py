@@ -13,6 +13,7 @@ from services.api import weights_pb2
 from services.weights import cuda_ipc, shm
 from services.weights.broadcast import WeightGroup
 from services.weights.buckets import Manifest
+from services.weights.fingerprint import IncrementalFingerprint
 from services.weights.verify import verify_buckets
 
 
@@ -40,10 +41,13 @@ class Staging:
 
 
 def receive_broadcast(group: WeightGroup, src: int, manifest: Manifest, staging: Staging) -> list[torch.Tensor]:
+    """Receive every bucket; host buckets are hashed part by part while the next part arrives."""
     buffers = staging.buffers(manifest)
-    for flat in buffers:
-        group.broadcast(flat, src=src)
-    verify_buckets(manifest, buffers)
+    incremental = manifest.fingerprint_algo == "xxh3" and staging.device.type == "cpu"
+    hashers = [IncrementalFingerprint(flat) for flat in buffers] if incremental else []
+    for k, flat in enumerate(buffers):
+        group.broadcast_bucket(flat, src=src, on_part=hashers[k].filled if hashers else None)
+    verify_buckets(manifest, buffers, computed=[h.result() for h in hashers] or None)
     return buffers
 
 

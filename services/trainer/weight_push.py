@@ -159,7 +159,7 @@ class WeightPusher:
                 raise ValueError(f"broadcast.group_name: no group {request.broadcast.group_name!r}; call InitWeightUpdateGroup")
             try:
                 for flat in snap.buffers:
-                    group.broadcast(flat, src=0)
+                    group.broadcast_bucket(flat, src=0)
             except WeightSyncError:
                 self.destroy_group(group.name)  # a broken collective cannot be reused
                 raise

@@ -12,6 +12,7 @@ from __future__ import annotations
 import datetime
 import socket
 import threading
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -19,6 +20,8 @@ import torch.distributed as dist
 from services.weights.errors import WeightSyncError
 
 BACKENDS = ("gloo", "nccl")
+# Buckets travel in parts this size, so the receiver verifies part k while part k+1 arrives.
+PART_BYTES = 64 << 20
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -88,6 +91,22 @@ class WeightGroup:
         try:
             work = self._pg.broadcast([tensor], _options(src))
             work.wait(self.timeout)
+        except RuntimeError as e:
+            raise WeightSyncError(f"group {self.name!r}: broadcast failed on rank {self.rank}: {e}") from e
+
+    def broadcast_bucket(self, flat: torch.Tensor, src: int = 0, on_part: Callable[[int], None] | None = None) -> None:
+        """Broadcast a flat uint8 bucket as consecutive parts of `PART_BYTES`, all queued at once;
+        `on_part(n)` runs as soon as the first n bytes have arrived, so a receiver can verify
+        them while the rest is in flight. Every rank must cut the same bucket the same way."""
+        self.wait_ready()
+        nbytes = flat.numel()
+        bounds = [(start, min(start + PART_BYTES, nbytes)) for start in range(0, nbytes, PART_BYTES)]
+        try:
+            works = [self._pg.broadcast([flat[start:stop]], _options(src)) for start, stop in bounds]
+            for work, (_, stop) in zip(works, bounds):
+                work.wait(self.timeout)
+                if on_part is not None:
+                    on_part(stop)
         except RuntimeError as e:
             raise WeightSyncError(f"group {self.name!r}: broadcast failed on rank {self.rank}: {e}") from e
 

@@ -3,8 +3,9 @@
 This is the fallback plane, used when trainer and engine share neither a GPU, a host, nor a
 collective group: the engine pulls `GetWeights` from the trainer. The sender slices host
 buckets into chunks (one copy, into the protobuf bytes); the receiver copies each chunk into a
-preallocated flat buffer per bucket (one copy), rejects chunks that do not fit, and hands the
-buffers out only when every byte arrived and every bucket matches its fingerprint. Chunks may
+preallocated flat buffer per bucket (one copy), rejects chunks that do not fit, hashes each
+16 MiB piece as soon as it is complete, and hands the buffers out only when every byte arrived
+and every bucket matches its fingerprint. Chunks may
 arrive in any order. Servers and channels live elsewhere; this module only makes and consumes
 the messages.
 """
@@ -20,6 +21,7 @@ import torch
 from services.api import weights_pb2
 from services.weights.buckets import Manifest, host_bytes
 from services.weights.errors import IncompleteTransfer, InvalidChunk, WeightSyncError
+from services.weights.fingerprint import IncrementalFingerprint
 from services.weights.verify import verify_buckets
 
 __all__ = ["DEFAULT_CHUNK_BYTES", "iter_chunks", "StreamReceiver", "receive"]
@@ -109,6 +111,9 @@ class StreamReceiver:
         self._buffers = list(buffers) if buffers is not None else [torch.empty(b.nbytes, dtype=torch.uint8) for b in manifest.buckets]
         self._views = [host_bytes(buf) for buf in self._buffers]  # writable views of the buffers
         self._ranges = [_Ranges() for _ in manifest.buckets]
+        # Host fingerprints are computed piece by piece as the front of each bucket fills in.
+        incremental = manifest.fingerprint_algo == "xxh3"
+        self._hashers = [IncrementalFingerprint(buf) for buf in self._buffers] if incremental else []
         self._finished = False
 
     @property
@@ -136,6 +141,8 @@ class StreamReceiver:
                 f"received (duplicate or overlapping chunk)"
             )
         self._views[index][offset : offset + size] = chunk.data
+        if self._hashers:
+            self._hashers[index].filled(self._ranges[index].first_missing())
 
     def finish(self, verify_algo: Optional[str] = None) -> list[torch.Tensor]:
         """Check completeness, then fingerprints, and return one flat buffer per bucket.
@@ -149,7 +156,8 @@ class StreamReceiver:
                     f"bucket {bucket.index} is incomplete: received {ranges.num_bytes} of "
                     f"{bucket.nbytes} bytes (first missing byte at {ranges.first_missing()})"
                 )
-        verify_buckets(self.manifest, self._buffers, verify_algo)
+        computed = [h.result() for h in self._hashers] if self._hashers else None
+        verify_buckets(self.manifest, self._buffers, verify_algo, computed)
         self._finished = True
         return list(self._buffers)
 

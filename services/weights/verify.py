@@ -11,19 +11,30 @@ from services.weights.errors import FingerprintMismatch, WeightSyncError
 from services.weights.fingerprint import FINGERPRINT_ALGOS, fingerprint
 
 
-def verify_buckets(manifest: Manifest, buffers: Sequence[torch.Tensor], algo: Optional[str] = None) -> None:
-    """Raise FingerprintMismatch naming the first bucket whose bytes do not match the manifest."""
+def verify_buckets(
+    manifest: Manifest,
+    buffers: Sequence[torch.Tensor],
+    algo: Optional[str] = None,
+    computed: Optional[Sequence[str]] = None,
+) -> None:
+    """Raise FingerprintMismatch naming the first bucket whose bytes do not match the manifest.
+
+    `computed` holds fingerprints of the buffers already made with the manifest's algo (hashed
+    while they arrived); they are compared instead of hashing the buffers again."""
     algo = algo or manifest.fingerprint_algo
     if algo not in FINGERPRINT_ALGOS:
         raise ValueError(f"unknown verify_algo {algo!r} (known: {', '.join(FINGERPRINT_ALGOS)})")
     if len(buffers) != len(manifest.buckets):
         raise WeightSyncError(f"received {len(buffers)} buckets, the manifest has {len(manifest.buckets)}")
-    for bucket, buffer in zip(manifest.buckets, buffers):
+    for k, (bucket, buffer) in enumerate(zip(manifest.buckets, buffers)):
         if not bucket.fingerprint.startswith(algo + ":"):
             raise WeightSyncError(
                 f"bucket {bucket.index} carries fingerprint {bucket.fingerprint!r}, which cannot be verified with {algo!r}"
             )
-        actual = fingerprint(buffer[: bucket.nbytes], algo)
+        if computed is not None and algo == manifest.fingerprint_algo:
+            actual = computed[k]
+        else:
+            actual = fingerprint(buffer[: bucket.nbytes], algo)
         if actual != bucket.fingerprint:
             raise FingerprintMismatch(
                 f"bucket {bucket.index} fingerprint mismatch: manifest {bucket.fingerprint}, received {actual}"
