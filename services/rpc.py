@@ -106,6 +106,26 @@ def wait_for_signal() -> None:
         pass
 
 
+def add_servicer(add_to_server: Callable, servicer, server: grpc.Server, *, serialized: tuple[str, ...] = ()) -> None:
+    """Register `servicer` with the generated `add_XServicer_to_server`, except that the methods
+    named in `serialized` yield responses already serialized to bytes (sent as they are)."""
+    captured: dict[str, tuple[str, dict]] = {}
+
+    class _Capture:
+        def add_generic_rpc_handlers(self, handlers):
+            pass
+
+        def add_registered_method_handlers(self, name, handlers):
+            captured["service"] = (name, handlers)
+
+    add_to_server(servicer, _Capture())
+    name, handlers = captured["service"]
+    for method in serialized:
+        handlers[method] = handlers[method]._replace(response_serializer=None)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(name, handlers),))
+    server.add_registered_method_handlers(name, handlers)
+
+
 def create_server(
     register: Callable[[grpc.Server], None],
     service_names: tuple[str, ...],

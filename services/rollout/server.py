@@ -14,7 +14,7 @@ import time
 import grpc
 
 from services import rpc
-from services.api import rollout_pb2, rollout_pb2_grpc, trainer_pb2, trainer_pb2_grpc, weights_pb2
+from services.api import rollout_pb2, rollout_pb2_grpc, trainer_pb2, weights_pb2
 from services.rollout.engine import EngineStateError, EngineUnavailable, RolloutEngine, RolloutSettings
 from services.rollout import receiver
 from services.rollout.torch_engine import Sampling
@@ -217,9 +217,11 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
     def _pull(self, endpoint: weights_pb2.TrainerEndpoint, manifest, timeout_s: float):
         receiver = StreamReceiver(manifest, buffers=self._staging.buffers(manifest))
         with contextlib.closing(rpc.open_channel(endpoint.address, endpoint.token or None)) as channel:
-            stub = trainer_pb2_grpc.TrainerStub(channel)
-            for chunk in stub.GetWeights(trainer_pb2.GetWeightsRequest(version=manifest.version), timeout=timeout_s):
-                receiver.accept(chunk)
+            get_weights = channel.unary_stream(  # the chunks' bytes, parsed by the receiver with one copy
+                "/rlfleet.v1.Trainer/GetWeights", request_serializer=trainer_pb2.GetWeightsRequest.SerializeToString
+            )
+            for raw in get_weights(trainer_pb2.GetWeightsRequest(version=manifest.version), timeout=timeout_s):
+                receiver.accept(raw)
         return receiver.finish(manifest.fingerprint_algo)
 
     def ReleaseMemory(self, request, context):

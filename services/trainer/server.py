@@ -213,6 +213,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
                 lambda i: snap.buffers[i],
                 list(request.buckets) or None,
                 chunk_bytes=request.chunk_bytes or DEFAULT_CHUNK_BYTES,
+                encoded=True,  # registered to send bytes as they are: see build_server
             )
 
     def InitWeightUpdateGroup(self, request, context):
@@ -263,7 +264,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
 def build_server(address: str = "127.0.0.1:0", token: str | None = None) -> rpc.Server:
     servicer = TrainerServicer()
     server = rpc.create_server(
-        lambda s: trainer_pb2_grpc.add_TrainerServicer_to_server(servicer, s),
+        lambda s: rpc.add_servicer(trainer_pb2_grpc.add_TrainerServicer_to_server, servicer, s, serialized=("GetWeights",)),
         (SERVICE_NAME,),
         address=address,
         token=token,

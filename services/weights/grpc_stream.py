@@ -17,6 +17,7 @@ from typing import Callable, Iterable, Iterator, Optional, Sequence
 
 import grpc
 import torch
+from google.protobuf.message import DecodeError
 
 from services.api import weights_pb2
 from services.weights.buckets import Manifest, host_bytes
@@ -24,7 +25,7 @@ from services.weights.errors import IncompleteTransfer, InvalidChunk, WeightSync
 from services.weights.fingerprint import IncrementalFingerprint
 from services.weights.verify import verify_buckets
 
-__all__ = ["DEFAULT_CHUNK_BYTES", "iter_chunks", "StreamReceiver", "receive"]
+__all__ = ["DEFAULT_CHUNK_BYTES", "StreamReceiver", "decode_chunk", "encode_chunk", "iter_chunks", "receive"]
 
 # gRPC refuses received messages over 4 MiB unless the channel raises
 # `grpc.max_receive_message_length`, so a 4 MiB chunk plus its header would fail on a default
@@ -38,10 +39,13 @@ def iter_chunks(
     bucket_source: Callable[[int], torch.Tensor],
     buckets: Optional[Sequence[int]] = None,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-) -> Iterator[weights_pb2.WeightChunk]:
+    encoded: bool = False,
+) -> Iterator[weights_pb2.WeightChunk | bytes]:
     """Yield the chunks of `buckets` (default: all, in order). `bucket_source(i)` returns bucket
     i as a flat uint8 CPU tensor; it is called lazily, once per bucket, just before that
-    bucket's first chunk, so a source staging from the GPU needs only one bucket on the host."""
+    bucket's first chunk, so a source staging from the GPU needs only one bucket on the host.
+    With `encoded` each chunk comes already serialized (`encode_chunk`), for a server whose
+    GetWeights handler sends bytes as they are."""
     if chunk_bytes <= 0:
         raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
     indices = list(range(len(manifest.buckets)) if buckets is None else buckets)
@@ -65,7 +69,87 @@ def iter_chunks(
         data = host_bytes(flat.detach().contiguous())  # [>= nbytes], shares memory
         for offset in range(0, nbytes, chunk_bytes):
             end = min(offset + chunk_bytes, nbytes)
-            yield weights_pb2.WeightChunk(bucket=index, offset=offset, data=bytes(data[offset:end]))
+            if encoded:
+                yield encode_chunk(index, offset, data[offset:end])
+            else:
+                yield weights_pb2.WeightChunk(bucket=index, offset=offset, data=bytes(data[offset:end]))
+
+
+# ---- WeightChunk wire format by hand: the bytes are copied once on each side ----------------------
+# A WeightChunk serialized by protobuf costs two copies of its data on the sender (slice to bytes,
+# bytes into the message) and two on the receiver (message parse, then into the bucket). These
+# write and read the same protobuf wire format (fields 1 and 2 varints, field 3 length-delimited),
+# so either side may still use the generated message class.
+_TAG_BUCKET, _TAG_OFFSET, _TAG_DATA = 0x08, 0x10, 0x1A
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    value &= (1 << 64) - 1  # negative int32/int64 are ten-byte two's complement varints
+    while True:
+        low, value = value & 0x7F, value >> 7
+        if value:
+            out.append(low | 0x80)
+        else:
+            out.append(low)
+            return bytes(out)
+
+
+def encode_chunk(bucket: int, offset: int, data) -> bytes:
+    """`WeightChunk(bucket, offset, data).SerializeToString()`, with one copy of `data`."""
+    header = bytearray()
+    if bucket:
+        header += bytes((_TAG_BUCKET,)) + _varint(bucket)
+    if offset:
+        header += bytes((_TAG_OFFSET,)) + _varint(offset)
+    header += bytes((_TAG_DATA,)) + _varint(len(data))
+    return b"".join((header, data))
+
+
+def _read_varint(raw: bytes, pos: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        if pos >= len(raw) or shift > 63:
+            raise ValueError("truncated varint")
+        byte = raw[pos]
+        pos += 1
+        value |= (byte & 0x7F) << shift
+        shift += 7
+        if not byte & 0x80:
+            return value, pos
+
+
+def decode_chunk(raw: bytes) -> tuple[int, int, memoryview]:
+    """(bucket, offset, data) of a serialized WeightChunk; `data` is a view into `raw`. Anything
+    but the three known fields goes through the generated parser (which also names bad input)."""
+    bucket = offset = 0
+    data = memoryview(b"")
+    pos = 0
+    try:
+        while pos < len(raw):
+            tag = raw[pos]
+            pos += 1
+            if tag in (_TAG_BUCKET, _TAG_OFFSET):
+                value, pos = _read_varint(raw, pos)
+                value = value - (1 << 64) if value >> 63 else value  # int32 and int64 alike
+                if tag == _TAG_BUCKET:
+                    bucket = value
+                else:
+                    offset = value
+            elif tag == _TAG_DATA:
+                size, pos = _read_varint(raw, pos)
+                if pos + size > len(raw):
+                    raise ValueError("truncated data field")
+                data, pos = memoryview(raw)[pos : pos + size], pos + size
+            else:
+                raise ValueError("unexpected field")
+    except ValueError:
+        try:
+            message = weights_pb2.WeightChunk.FromString(raw)
+        except DecodeError as e:
+            raise InvalidChunk(f"malformed WeightChunk ({len(raw)} bytes): {e}") from e
+        return message.bucket, message.offset, memoryview(message.data)
+    return bucket, offset, data
 
 
 class _Ranges:
@@ -120,11 +204,16 @@ class StreamReceiver:
     def received_bytes(self) -> int:
         return sum(r.num_bytes for r in self._ranges)
 
-    def accept(self, chunk: weights_pb2.WeightChunk) -> None:
-        """Copy one chunk into place; `InvalidChunk` (a ValueError) if it does not fit."""
+    def accept(self, chunk: weights_pb2.WeightChunk | bytes) -> None:
+        """Copy one chunk (a message, or its serialized bytes) into place; `InvalidChunk` (a
+        ValueError) if it does not fit."""
+        if isinstance(chunk, bytes):
+            index, offset, data = decode_chunk(chunk)
+        else:
+            index, offset, data = chunk.bucket, chunk.offset, chunk.data
         if self._finished:
-            raise InvalidChunk(f"chunk for bucket {chunk.bucket} arrived after finish()")
-        index, offset, size = chunk.bucket, chunk.offset, len(chunk.data)
+            raise InvalidChunk(f"chunk for bucket {index} arrived after finish()")
+        size = len(data)
         if not 0 <= index < len(self._buffers):
             raise InvalidChunk(f"chunk names unknown bucket {index} ({len(self._buffers)} buckets)")
         nbytes = self.manifest.buckets[index].nbytes
@@ -140,7 +229,7 @@ class StreamReceiver:
                 f"chunk [{offset}, {offset + size}) of bucket {index} overlaps bytes already "
                 f"received (duplicate or overlapping chunk)"
             )
-        self._views[index][offset : offset + size] = chunk.data
+        self._views[index][offset : offset + size] = data
         if self._hashers:
             self._hashers[index].filled(self._ranges[index].first_missing())
 

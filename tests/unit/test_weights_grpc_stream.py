@@ -15,7 +15,7 @@ from services.weights.errors import (
     InvalidChunk,
     WeightSyncError,
 )
-from services.weights.grpc_stream import StreamReceiver, iter_chunks, receive
+from services.weights.grpc_stream import StreamReceiver, decode_chunk, encode_chunk, iter_chunks, receive
 from services.weights.manifest import make_manifest
 
 
@@ -187,3 +187,26 @@ def test_grpc_loopback_streams_64_mib_bit_identical():
     finally:
         server.stop(grace=None)
     _assert_same(manifest, received, named)
+
+
+@pytest.mark.parametrize("bucket, offset", [(0, 0), (3, 0), (0, 5), (7, 1 << 40), (-1, -2)])
+def test_hand_encoded_chunks_are_the_protobuf_wire_format(bucket, offset):
+    data = bytes(range(256)) * 5
+    raw = encode_chunk(bucket, offset, memoryview(data))
+    parsed = weights_pb2.WeightChunk.FromString(raw)
+    assert (parsed.bucket, parsed.offset, parsed.data) == (bucket, offset, data)
+    generated = weights_pb2.WeightChunk(bucket=bucket, offset=offset, data=data).SerializeToString()
+    assert raw == generated
+    got = decode_chunk(generated)
+    assert (got[0], got[1], bytes(got[2])) == (bucket, offset, data)
+
+
+def test_decoding_falls_back_to_the_generated_parser_and_names_garbage():
+    # fields in another order plus an unknown field: still read correctly
+    message = weights_pb2.WeightChunk(bucket=2, offset=9, data=b"abc")
+    raw = message.SerializeToString()
+    reordered = raw[-5:] + raw[:-5] + b"\x20\x01"  # data first, then bucket/offset, then field 4
+    bucket, offset, data = decode_chunk(reordered)
+    assert (bucket, offset, bytes(data)) == (2, 9, b"abc")
+    with pytest.raises(InvalidChunk, match="malformed WeightChunk"):
+        decode_chunk(b"\x1a\xff\xff\xff\x0f" + b"x")  # a data field longer than the message
