@@ -7,6 +7,8 @@ Staging buffers are kept between syncs so a steady-state sync allocates nothing.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from services.api import weights_pb2
@@ -63,6 +65,28 @@ def receive_cuda_ipc(source: weights_pb2.CudaIpcSource, manifest: Manifest) -> l
     handles = sorted(source.handles, key=lambda h: h.bucket)
     if [h.bucket for h in handles] != list(range(len(manifest.buckets))):
         raise ValueError(f"cuda_ipc.handles: expected one handle per bucket 0..{len(manifest.buckets) - 1}")
-    views = [cuda_ipc.open_handle(h, b.nbytes) for h, b in zip(handles, manifest.buckets)]
+    views = _OpenedInTurn(handles, manifest)
     verify_buckets(manifest, views)
-    return views
+    return list(views)
+
+
+class _OpenedInTurn(Sequence):
+    """Views of the trainer's buckets, each opened when first read. Opening makes this stream wait
+    for the bucket's own copy (its IPC event), so verifying bucket k runs while later buckets are
+    still being staged host->device by an offloaded trainer."""
+
+    def __init__(self, handles: list[weights_pb2.CudaIpcHandle], manifest: Manifest):
+        self._handles, self._sizes = handles, [b.nbytes for b in manifest.buckets]
+        self._views: dict[int, torch.Tensor] = {}
+
+    def __len__(self) -> int:
+        return len(self._handles)
+
+    def __getitem__(self, k):
+        if isinstance(k, slice):
+            return [self[i] for i in range(*k.indices(len(self)))]
+        if not 0 <= k < len(self):
+            raise IndexError(k)
+        if k not in self._views:
+            self._views[k] = cuda_ipc.open_handle(self._handles[k], self._sizes[k])
+        return self._views[k]

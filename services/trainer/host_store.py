@@ -24,6 +24,9 @@ class HostCopy:
     buffers: list[torch.Tensor]           # flat uint8 per bucket
     views: dict[str, torch.Tensor]        # name -> typed view into its bucket
     version: int = -1                     # weights version captured; -1 = never
+    # Bucket fingerprints of these bytes by algo, made where they were captured from (on the
+    # GPU, beside the copy), so a sync from the host copy does not have to read it again.
+    fingerprints: dict[str, list[str]] = field(default_factory=dict)
 
 
 @dataclass
@@ -89,7 +92,7 @@ class HostStore:
         with self._lock:
             copy = self._ensure(tag)
             moved = self._copy(copy, tensors, to_host=True, wait=wait)
-            copy.version = version
+            copy.version, copy.fingerprints = version, {}
             self.stats.bytes_captured += moved
             return moved
 
@@ -122,4 +125,4 @@ class HostStore:
             copy = self._ensure(tag)
             for dst, src in zip(copy.buffers, other.buffers):
                 dst.copy_(src)
-            copy.version = other.version
+            copy.version, copy.fingerprints = other.version, dict(other.fingerprints)

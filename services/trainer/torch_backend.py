@@ -24,6 +24,7 @@ from services.trainer.settings import SchedulerSettings, TrainerSettings
 from services.weights.apply import named_weights
 from services.models import memory
 from services.weights.buckets import parse_dtype, plan_buckets
+from services.weights.fingerprint import fingerprint
 
 
 class TrainerStateError(RuntimeError):
@@ -152,8 +153,18 @@ class TorchTrainer:
     def _capture_actor(self, wait: bool = True) -> None:
         """Make the host actor copy current (only ever called while the device holds the actor)."""
         store = self._ensure_store()
-        if store.version(ACTOR) != self.weights_version:
-            store.capture(ACTOR, self.named, self.weights_version, wait=wait)
+        if store.version(ACTOR) == self.weights_version:
+            return
+        side = None
+        if self.device.type == "cuda":  # forked before the copies are queued, so it runs beside them
+            side = torch.cuda.Stream(self.device)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+        store.capture(ACTOR, self.named, self.weights_version, wait=wait)
+        if side is not None:
+            # The bucket fingerprints a later sync from this copy needs, made on the device while
+            # the device->host copy runs (HBM reads beside PCIe transfers: nearly free).
+            with torch.cuda.stream(side):
+                store.get(ACTOR).fingerprints["fast"] = [fingerprint(b, "fast") for b in self.bucket_views]
 
     def sleep(self) -> LifecycleState:
         if not self.asleep:

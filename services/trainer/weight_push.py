@@ -18,8 +18,7 @@ import torch
 from services.api import weights_pb2
 from services.trainer.host_store import HostCopy
 from services.trainer.weight_source import Snapshot, WeightSource
-from services.models import memory
-from services.weights import cuda_ipc
+from services.weights import cuda_ipc, staging
 from services.weights.broadcast import WeightGroup, free_port
 from services.weights.buckets import Manifest
 from services.weights.errors import WeightSyncError
@@ -55,7 +54,7 @@ class WeightPusher:
         trainer = self.trainer
         source, weights = trainer.weights_for_sync()
         if self._on_device(plane):
-            return self._device_manifest(source, weights, algo)
+            return self._device_manifest(source, weights, algo, plane)
         layout = trainer.store.layout if source == "host" else trainer.layout
         if plane == SHM:
             return self._shm_manifest(source, weights, layout, algo)
@@ -91,28 +90,40 @@ class WeightPusher:
         self._shm_names = names
         return manifest
 
-    def _device_manifest(self, source: str, weights, algo: str) -> Manifest:
-        """Buckets on the trainer's GPU: packed from live weights, or staged from the host copy."""
+    def _device_manifest(self, source: str, weights, algo: str, plane: int) -> Manifest:
+        """Buckets the trainer's GPU sends: views of the live weights (already in bucket layout),
+        or, while asleep, the host copy staged on the way out (see services/weights/staging.py)."""
         trainer = self.trainer
         snap = self._device_snapshot
-        if snap is not None and snap.manifest.version == trainer.weights_version and snap.manifest.source == source:
-            return snap.manifest
-        if isinstance(weights, HostCopy):  # staged into one device storage, bucket after bucket
-            specs = trainer.store.layout
-            buffers = memory.regions([b.numel() for b in weights.buffers], trainer.device)
-            for dst, src in zip(buffers, weights.buffers):
-                dst.copy_(src, non_blocking=True)
-        else:  # live weights already sit in bucket layout on the device: the buckets are views
-            specs, buffers = trainer.layout, trainer.bucket_views
         used = algo or default_algo(trainer.device)
-        buckets = tuple(dataclasses.replace(s, fingerprint=fingerprint(b, used)) for s, b in zip(specs, buffers))
+        if snap is not None and (snap.manifest.version, snap.manifest.source, snap.manifest.fingerprint_algo, snap.plane) == (
+            trainer.weights_version, source, used, plane
+        ):
+            return snap.manifest
+        self._device_snapshot = None
+        handles: list[weights_pb2.CudaIpcHandle] = []
+        if isinstance(weights, HostCopy):
+            specs = trainer.store.layout
+            if plane == CUDA_IPC:
+                buffers, handles = staging.stage_for_ipc(weights.buffers, trainer.device)
+            else:
+                buffers = list(weights.buffers)  # NCCL: staged slot by slot while broadcasting
+            # Made on the GPU when the copy was captured; otherwise (exact mode) from the host
+            # bytes, which every algo reads alike ("fast" gives the same result on CPU and GPU).
+            prints = weights.fingerprints.get(used) or [fingerprint(b, used) for b in weights.buffers]
+        else:
+            specs, buffers = trainer.layout, trainer.bucket_views
+            prints = [fingerprint(b, used) for b in buffers]
+        buckets = tuple(dataclasses.replace(s, fingerprint=f) for s, f in zip(specs, prints))
         manifest = Manifest(version=trainer.weights_version, source=source, buckets=buckets, fingerprint_algo=used)
-        self._device_snapshot = Snapshot(manifest, buffers)
+        self._device_snapshot = Snapshot(manifest, buffers, plane=plane, handles=handles)
         return manifest
 
     def snapshot(self, version: int, plane: int) -> Snapshot:
         if self._on_device(plane):
             snap = self._device_snapshot
+            if snap is not None and snap.plane != plane:
+                snap = None  # made for the other device plane: ask for a manifest of this one first
         elif plane == SHM:
             snap = self._shm_snapshot
         else:
@@ -158,8 +169,11 @@ class WeightPusher:
             if group is None:
                 raise ValueError(f"broadcast.group_name: no group {request.broadcast.group_name!r}; call InitWeightUpdateGroup")
             try:
-                for flat in snap.buffers:
-                    group.broadcast_bucket(flat, src=0)
+                if group.backend == "nccl" and snap.buffers and snap.buffers[0].device.type == "cpu":  # from the host copy
+                    staging.stage_and_send(snap.buffers, group.device, lambda k, slot: group.broadcast_bucket(slot, src=0))
+                else:
+                    for flat in snap.buffers:
+                        group.broadcast_bucket(flat, src=0)
             except WeightSyncError:
                 self.destroy_group(group.name)  # a broken collective cannot be reused
                 raise
@@ -168,8 +182,11 @@ class WeightPusher:
         elif request.plane == CUDA_IPC:
             if self.trainer.device.type != "cuda":
                 raise ValueError("plane: cuda_ipc needs a trainer on a CUDA device")
-            torch.cuda.synchronize(self.trainer.device)
-            handles = [cuda_ipc.export(i, flat) for i, flat in enumerate(snap.buffers)]
+            if snap.handles:  # staged from the host copy: each handle carries its copy's event
+                handles = snap.handles
+            else:  # live weights, re-exported each sync (the export event dates from the first one)
+                torch.cuda.synchronize(self.trainer.device)
+                handles = [cuda_ipc.export(i, flat) for i, flat in enumerate(snap.buffers)]
         else:
             raise ValueError(f"plane: {weights_pb2.WeightPlane.Name(request.plane)} is not pushed (engines pull grpc_stream)")
         return snap.manifest, names, handles, time.perf_counter() - started

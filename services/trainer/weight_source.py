@@ -25,7 +25,9 @@ from services.weights.fingerprint import default_algo, fingerprint
 @dataclass(frozen=True)
 class Snapshot:
     manifest: Manifest
-    buffers: list[torch.Tensor]  # flat uint8 host tensors, one per bucket
+    buffers: list[torch.Tensor]  # flat uint8 tensors, one per bucket
+    plane: int = 0  # the plane it was made for, where that matters (device snapshots)
+    handles: list = dataclasses.field(default_factory=list)  # CUDA IPC handles exported with it
 
 
 def _host_buffers(sizes: list[int], cache: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -98,3 +98,17 @@ def test_tag_switching_on_gpu_restores_exact_values(mid_model):
     trainer.sleep()
     trainer.use("actor")
     assert all(torch.equal(p, q) for p, q in zip(trainer.params, trained))
+
+
+def test_fingerprints_made_at_capture_match_the_host_copy(tmp_path):
+    """A sync from the host copy trusts the fingerprints Sleep made on the device beside the copy."""
+    from services.trainer.host_store import ACTOR
+    from services.weights.fingerprint import fingerprint
+    from tests.conftest import make_tiny_model
+
+    trainer = TorchTrainer(TrainerSettings(model_path=str(make_tiny_model(tmp_path / "m")), device="cuda",
+                                           bucket_bytes=256 << 10))
+    trainer.sleep()
+    copy = trainer.store.get(ACTOR)
+    assert len(copy.buffers) > 2
+    assert copy.fingerprints["fast"] == [fingerprint(b, "fast") for b in copy.buffers]

@@ -16,8 +16,9 @@ from tests.conftest import make_tiny_model
 pytestmark = pytest.mark.gpu
 
 
+@pytest.mark.parametrize("exact", [True, False], ids=["exact", "fingerprint"])
 @pytest.mark.parametrize("offload", [False, True])
-def test_cuda_ipc_sync_is_bit_exact(tmp_path, offload):
+def test_cuda_ipc_sync_is_bit_exact(tmp_path, offload, exact):
     model = make_tiny_model(tmp_path / "model")
     fleet = LocalFleet(tmp_path / "logs")
     pool = ThreadPoolExecutor(4)
@@ -27,22 +28,24 @@ def test_cuda_ipc_sync_is_bit_exact(tmp_path, offload):
         fleet.wait_ready(timeout_s=180)
         trainer, engine = TrainerClient(fleet.children[0].address), RolloutClient(fleet.children[1].address)
         trainer.configure(trainer_pb2.TrainerConfig(model_path=str(model), device="cuda", offload=offload,
+                                                    bucket_bytes=256 << 10,  # several buckets, events, handles
                                                     optimizer=trainer_pb2.OptimizerConfig(lr=1e-2)))
         engine.configure(rollout_pb2.RolloutConfig(model_path=str(model), device="cuda", load_weights=False))
         syncer = WeightSyncer(trainer=trainer, engines=[engine], trainer_caps=trainer.capabilities,
-                              engine_caps=[engine.capabilities], forced="auto", exact=True, timeout_s=60,
+                              engine_caps=[engine.capabilities], forced="auto", exact=exact, timeout_s=60,
                               token="", pool=pool)
         assert syncer.planes == ["cuda_ipc"]
-        trainer.train_step(trainer_pb2.Batch(samples=[trainer_pb2.Sample(prompt_ids=[3, 4], response_ids=[5], advantage=1.0)]))
-        if offload:
-            assert trainer.sleep().asleep
-        result = syncer.sync({0})
-        assert result.ok == {0} and not result.failures, result.failures
-        assert result.source == ("host" if offload else "gpu")
-        manifest = trainer.weight_manifest("sha256")
-        version, prints = engine.fingerprints("sha256", 512 * 1024 * 1024)
-        assert version == manifest.version == 1
-        assert prints == [b.fingerprint for b in manifest.buckets]
+        for step in (1, 2):  # the second sync re-stages into fresh buffers at a new version
+            trainer.train_step(trainer_pb2.Batch(samples=[trainer_pb2.Sample(prompt_ids=[3, 4], response_ids=[5], advantage=1.0)]))
+            if offload:
+                assert trainer.sleep().asleep
+            result = syncer.sync({0})
+            assert result.ok == {0} and not result.failures, result.failures
+            assert result.source == ("host" if offload else "gpu")
+            manifest = trainer.weight_manifest("sha256")
+            version, prints = engine.fingerprints("sha256", 256 << 10)
+            assert version == manifest.version == step
+            assert len(prints) > 2 and prints == [b.fingerprint for b in manifest.buckets]
         syncer.close()
     finally:
         pool.shutdown()

@@ -1,0 +1,92 @@
+"""Where a weight sync spends its time: every RPC of each sync, timed as the coordinator sees it.
+
+A diagnostic beside bench/weight_sync.py (which reports throughput against physical limits):
+starts a trainer and an engine, syncs a model of --mb megabytes over each plane a few times and
+prints the time of GetWeightManifest, PushWeights, UpdateWeights and ReleaseWeights per sync.
+
+    python bench/sync_phases.py --planes shm,grpc_stream,broadcast --mb 512
+    python bench/sync_phases.py --device cuda --planes cuda_ipc,cuda_ipc_host --mb 2200
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.weight_sync import make_model  # noqa: E402
+from services.api import rollout_pb2, trainer_pb2  # noqa: E402
+from services.coordinator.clients import RolloutClient, TrainerClient  # noqa: E402
+from services.coordinator.weight_sync import WeightSyncer  # noqa: E402
+from services.launcher import LocalFleet  # noqa: E402
+
+TIMED = {TrainerClient: ("weight_manifest", "push_weights", "release_weights"), RolloutClient: ("update_weights",)}
+
+
+def _timed(cls, name: str, phases: list[str]) -> None:
+    original = getattr(cls, name)
+
+    def wrapper(self, *args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            phases.append(f"{name} {1e3 * (time.perf_counter() - start):.1f} ms")
+
+    setattr(cls, name, wrapper)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--mb", type=int, default=512)
+    parser.add_argument("--syncs", type=int, default=4)
+    parser.add_argument("--planes", default="grpc_stream,shm,broadcast")
+    parser.add_argument("--device", default="cpu")
+    args = parser.parse_args(argv)
+    phases: list[str] = []
+    for cls, names in TIMED.items():
+        for name in names:
+            _timed(cls, name, phases)
+    with tempfile.TemporaryDirectory() as tmp:
+        model = Path(tmp) / "model"
+        print(f"model: {make_model(model, args.mb) / 1e6:.0f} MB", flush=True)
+        fleet = LocalFleet(Path(tmp) / "logs")
+        pool = ThreadPoolExecutor(8)
+        try:
+            fleet.start("trainer", "trainer-0", [])
+            fleet.start("rollout", "rollout-0", [])
+            fleet.wait_ready(timeout_s=300)
+            trainer, engine = TrainerClient(fleet.children[0].address), RolloutClient(fleet.children[1].address)
+            sample = trainer_pb2.Sample(prompt_ids=[3, 4], response_ids=[5], advantage=1.0)
+            for name in args.planes.split(","):
+                from_host = name.endswith("_host")
+                trainer.configure(trainer_pb2.TrainerConfig(model_path=str(model), device=args.device, offload=from_host,
+                                                            optimizer=trainer_pb2.OptimizerConfig(lr=1e-6)))
+                engine.configure(rollout_pb2.RolloutConfig(model_path=str(model), device=args.device))
+                syncer = WeightSyncer(trainer=trainer, engines=[engine], trainer_caps=trainer.capabilities,
+                                      engine_caps=[engine.capabilities], forced=name.removesuffix("_host"), exact=False,
+                                      timeout_s=600, token="", pool=pool)
+                for i in range(args.syncs):
+                    trainer.train_step(trainer_pb2.Batch(samples=[sample]))
+                    if from_host:
+                        trainer.sleep()
+                    phases.clear()
+                    start = time.perf_counter()
+                    result = syncer.sync({0})
+                    total = 1e3 * (time.perf_counter() - start)
+                    print(f"{name} sync {i}: {total:.1f} ms ({', '.join(phases)}){' FAILED ' + str(result.failures) if result.failures else ''}",
+                          flush=True)
+                syncer.close()
+        finally:
+            pool.shutdown()
+            fleet.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

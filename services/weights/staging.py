@@ -1,0 +1,79 @@
+"""Host -> device staging for syncs that read an offloaded trainer's host copy on a GPU machine.
+
+Two ways, both overlapping the PCIe copy with the send instead of copying everything first:
+
+- `stage_and_send` (NCCL broadcast): two device slots, used in turn. Bucket k+1 is copied
+  host->device on a copy stream while bucket k is being sent; a slot is refilled only after the
+  send that read it has finished on the GPU (an event, not a host wait). Device memory: two
+  buckets, whatever the model size.
+- `stage_for_ipc` (CUDA IPC to an engine on the same GPU): every bucket gets its own device
+  buffer, and its copy is queued before the next one; exporting the buffer records an IPC event
+  behind its copy, and an engine that opens it waits for that event on its own stream. The
+  engine starts on bucket 0 while later buckets are still crossing PCIe, with no round trip per
+  bucket.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+
+from services.api import weights_pb2
+from services.weights import cuda_ipc
+
+
+def stage_and_send(host_buffers: Sequence[torch.Tensor], device: torch.device,
+                   send: Callable[[int, torch.Tensor], None], slots: int = 2) -> None:
+    """Copy each flat uint8 host bucket into a device slot and call `send(k, slot_view)`.
+
+    `send` queues work that reads the slot on the current stream (or finishes before returning);
+    it runs once the slot holds bucket k. Host buffers should be pinned, or the copies serialise."""
+    if not host_buffers:
+        return
+    current = torch.cuda.current_stream(device)
+    copier = torch.cuda.Stream(device)
+    size = max(b.numel() for b in host_buffers)
+    pool = [torch.empty(size, dtype=torch.uint8, device=device) for _ in range(min(slots, len(host_buffers)))]
+    freed: list[torch.cuda.Event | None] = [None] * len(pool)  # the last send that read each slot
+
+    def fill(k: int) -> tuple[torch.Tensor, torch.cuda.Event]:
+        s = k % len(pool)
+        slot = pool[s][: host_buffers[k].numel()]
+        with torch.cuda.stream(copier):
+            if freed[s] is not None:
+                copier.wait_event(freed[s])
+            slot.copy_(host_buffers[k], non_blocking=True)
+            filled = torch.cuda.Event()
+            filled.record(copier)
+        return slot, filled
+
+    # Copies are queued ahead of the sends, so they run even while `send` blocks the host.
+    queued = {k: fill(k) for k in range(len(pool))}
+    for k in range(len(host_buffers)):
+        slot, filled = queued.pop(k)
+        current.wait_event(filled)
+        send(k, slot)
+        freed[k % len(pool)] = torch.cuda.Event()
+        freed[k % len(pool)].record(current)
+        if k + len(pool) < len(host_buffers):
+            queued[k + len(pool)] = fill(k + len(pool))
+    for buffer in pool:
+        buffer.record_stream(copier)  # freed by the caching allocator only after both streams
+    current.wait_stream(copier)
+
+
+def stage_for_ipc(host_buffers: Sequence[torch.Tensor], device: torch.device
+                  ) -> tuple[list[torch.Tensor], list[weights_pb2.CudaIpcHandle]]:
+    """Queue every bucket's host->device copy and export each buffer as it is queued.
+
+    Returns the device buffers (keep them until every engine has acknowledged) and one handle per
+    bucket, each carrying the IPC event its copy completes; nothing here waits for the copies."""
+    buffers, handles = [], []
+    with torch.cuda.device(device):
+        for k, host in enumerate(host_buffers):
+            flat = torch.empty(host.numel(), dtype=torch.uint8, device=device)  # its own storage: its own event
+            flat.copy_(host, non_blocking=True)
+            handles.append(cuda_ipc.export(k, flat))  # records the event behind this copy
+            buffers.append(flat)
+    return buffers, handles
