@@ -122,10 +122,12 @@ class WeightSyncer:
     def _sync_cuda_ipc(self, members) -> SyncResult:
         manifest = self.trainer.weight_manifest(self._algo(), PLANES["cuda_ipc"])
         reply = self.trainer.push_weights(PLANES["cuda_ipc"], manifest.version)
+        if reply.shm_segments:  # an offloaded trainer's host copy: each engine copies it to the GPU
+            source = {"shm": weights_pb2.ShmSource(segment_names=reply.shm_segments)}
+        else:
+            source = {"cuda_ipc": weights_pb2.CudaIpcSource(handles=reply.cuda_ipc_handles)}
         try:
-            return self._update_all(
-                members, reply.manifest, cuda_ipc=weights_pb2.CudaIpcSource(handles=reply.cuda_ipc_handles)
-            )
+            return self._update_all(members, reply.manifest, **source)
         finally:
             self.trainer.release_weights(reply.manifest.version)
 

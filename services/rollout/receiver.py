@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import torch
 
 from services.api import weights_pb2
-from services.weights import cuda_ipc, shm
+from services.weights import cuda_ipc, shm, staging
 from services.weights.broadcast import WeightGroup
 from services.weights.buckets import Manifest
 from services.weights.fingerprint import IncrementalFingerprint
@@ -59,6 +59,20 @@ def receive_shm(reader: shm.ShmReader, source: weights_pb2.ShmSource, manifest: 
     views = reader.open(list(source.segment_names), manifest)
     verify_buckets(manifest, views)
     return views
+
+
+def receive_host_copy(reader: shm.ShmReader, source: weights_pb2.ShmSource, manifest: Manifest,
+                      device: torch.device) -> list[torch.Tensor]:
+    """An offloaded trainer's host copy, in shared memory, copied to this engine's GPU and
+    verified there (the mappings stay page-locked from sync to sync)."""
+    views = reader.open(list(source.segment_names), manifest, pinned=True)
+    try:
+        buffers, prints = staging.upload_and_fingerprint(views, device, manifest.fingerprint_algo)
+        torch.cuda.current_stream(device).synchronize()  # the host pages may be rewritten once we return
+    finally:
+        reader.copied()
+    verify_buckets(manifest, buffers, computed=prints)
+    return buffers
 
 
 def receive_cuda_ipc(source: weights_pb2.CudaIpcSource, manifest: Manifest) -> list[torch.Tensor]:

@@ -164,6 +164,11 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
 
     def _receive_and_apply(self, engine, request, manifest, read_back: bool) -> int:
         source = request.WhichOneof("source")
+        if source == "shm" and engine.device.type == "cuda":  # a sleeping trainer's host copy: upload it
+            buffers = receiver.receive_host_copy(self._shm, request.shm, manifest, engine.device)
+            copied = engine.apply(manifest, buffers, read_back=read_back, adopt=True)  # fresh buffers: no copy
+            self._shm.release()
+            return copied
         if source == "shm":  # the trainer's segments become our weights: nothing is copied
             try:
                 buffers = receiver.receive_shm(self._shm, request.shm, manifest)

@@ -8,13 +8,18 @@ host copy serves these buffers as they are: no packing, no extra copy.
 
 from __future__ import annotations
 
+import logging
 import threading
 from dataclasses import dataclass, field
 
 import torch
 
+from services.weights import shm
 from services.weights.apply import copy_bytes_
 from services.weights.buckets import BucketSpec, plan_buckets, unpack_bucket
+from services.weights.errors import WeightSyncError
+
+log = logging.getLogger("rlfleet.trainer")
 
 ACTOR = "actor"
 
@@ -27,6 +32,9 @@ class HostCopy:
     # Bucket fingerprints of these bytes by algo, made where they were captured from (on the
     # GPU, beside the copy), so a sync from the host copy does not have to read it again.
     fingerprints: dict[str, list[str]] = field(default_factory=dict)
+    # Shared-memory names of `buffers` when other processes on the host can map them (engines on
+    # the trainer's GPU then copy host->device themselves); empty for private buffers.
+    segment_names: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -44,12 +52,24 @@ def _sync(device: torch.device) -> None:
 
 
 class HostStore:
-    def __init__(self, named: list[tuple[str, torch.Tensor]], bucket_bytes: int):
+    def __init__(self, named: list[tuple[str, torch.Tensor]], bucket_bytes: int, *, share: tuple[str, ...] = ()):
+        """Tags in `share` get buffers in shared memory (when /dev/shm can hold them)."""
         self.layout: list[BucketSpec] = plan_buckets(named, bucket_bytes)
         self.pinned = torch.cuda.is_available()
         self.stats = CopyStats()
         self._copies: dict[str, HostCopy] = {}
+        self._share = set(share)
+        self._shared: dict[str, shm.SharedBuffers] = {}
         self._lock = threading.Lock()
+
+    def close(self) -> None:
+        """Unlink shared buffers (engines that mapped them keep their mappings)."""
+        with self._lock:
+            for shared in self._shared.values():
+                shared.close()
+            self._shared.clear()
+            for tag in [t for t, c in self._copies.items() if c.segment_names]:
+                del self._copies[tag]
 
     @property
     def tags(self) -> list[str]:
@@ -76,13 +96,23 @@ class HostStore:
     def _ensure(self, tag: str) -> HostCopy:
         copy = self._copies.get(tag)
         if copy is None:
-            # zeroed: alignment gaps must read as zeros, exactly as pack_bucket lays them out
-            buffers = [torch.zeros(b.nbytes, dtype=torch.uint8, pin_memory=self.pinned) for b in self.layout]
+            buffers, names = self._allocate(tag)
             views = {}
             for spec, flat in zip(self.layout, buffers):
                 views.update(unpack_bucket(spec, flat))
-            copy = self._copies[tag] = HostCopy(buffers, views)
+            copy = self._copies[tag] = HostCopy(buffers, views, segment_names=names)
         return copy
+
+    def _allocate(self, tag: str) -> tuple[list[torch.Tensor], list[str]]:
+        """Zeroed buffers (alignment gaps must read as zeros, as pack_bucket lays them out)."""
+        sizes = [b.nbytes for b in self.layout]
+        if tag in self._share and shm.available():
+            try:
+                shared = self._shared[tag] = shm.SharedBuffers(sizes, pinned=self.pinned)  # new pages are zero
+                return shared.buffers, shared.names
+            except (WeightSyncError, RuntimeError) as e:
+                log.warning("host copy %r stays private (engines cannot map it): %s", tag, e)
+        return [torch.zeros(n, dtype=torch.uint8, pin_memory=self.pinned) for n in sizes], []
 
     def capture(self, tag: str, tensors: dict[str, torch.Tensor], version: int, *, wait: bool = True) -> int:
         """Copy device tensors into the tag's host copy (allocating it the first time).

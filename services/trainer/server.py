@@ -140,12 +140,14 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         with self._lock:
             if self._pusher is not None:
                 self._pusher.close()
+                self._trainer.close()
 
     def Configure(self, request, context):
         with self._lock, rpc.abort_on(context, _ERRORS):
             settings = settings_from_proto(request.config)
             if self._pusher is not None:
                 self._pusher.close()
+                self._trainer.close()
             self._trainer = TorchTrainer(settings)
             self._pusher = WeightPusher(self._trainer)
             log.info(

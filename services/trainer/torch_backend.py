@@ -118,7 +118,7 @@ class TorchTrainer:
         self._device_holds: tuple[str, int] | None = (ACTOR, 0)
         self.store: HostStore | None = None
         if settings.tags or settings.offload or settings.colocate:
-            self.store = HostStore(list(self.named.items()), settings.bucket_bytes)
+            self.store = HostStore(list(self.named.items()), settings.bucket_bytes, share=self._shared_tags())
             for tag in dict.fromkeys(settings.tags):
                 self.store.capture(tag, self.named, version=0)
         self.offloader = Offloader(self.params, pinned=torch.cuda.is_available())
@@ -145,9 +145,18 @@ class TorchTrainer:
             host_backup_bytes=host if self.asleep else (self.store.nbytes if self.store else 0),
         )
 
+    def _shared_tags(self) -> tuple[str, ...]:
+        """On a GPU the actor copy goes in shared memory: an engine on the same GPU then copies
+        it host->device itself while the trainer sleeps (no staging on the trainer's GPU)."""
+        return (ACTOR,) if self.device.type == "cuda" else ()
+
+    def close(self) -> None:
+        if self.store is not None:
+            self.store.close()
+
     def _ensure_store(self) -> HostStore:
         if self.store is None:
-            self.store = HostStore(list(self.named.items()), self.settings.bucket_bytes)
+            self.store = HostStore(list(self.named.items()), self.settings.bucket_bytes, share=self._shared_tags())
         return self.store
 
     def _capture_actor(self, wait: bool = True) -> None:

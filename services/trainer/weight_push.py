@@ -104,10 +104,10 @@ class WeightPusher:
         handles: list[weights_pb2.CudaIpcHandle] = []
         if isinstance(weights, HostCopy):
             specs = trainer.store.layout
-            if plane == CUDA_IPC:
+            if plane == CUDA_IPC and not weights.segment_names:
                 buffers, handles = staging.stage_for_ipc(weights.buffers, trainer.device)
-            else:
-                buffers = list(weights.buffers)  # NCCL: staged slot by slot while broadcasting
+            else:  # engines copy a shared host copy themselves; NCCL stages slot by slot while sending
+                buffers = list(weights.buffers)
             # Made on the GPU when the copy was captured; otherwise (exact mode) from the host
             # bytes, which every algo reads alike ("fast" gives the same result on CPU and GPU).
             prints = weights.fingerprints.get(used) or [fingerprint(b, used) for b in weights.buffers]
@@ -116,7 +116,8 @@ class WeightPusher:
             prints = [fingerprint(b, used) for b in buffers]
         buckets = tuple(dataclasses.replace(s, fingerprint=f) for s, f in zip(specs, prints))
         manifest = Manifest(version=trainer.weights_version, source=source, buckets=buckets, fingerprint_algo=used)
-        self._device_snapshot = Snapshot(manifest, buffers, plane=plane, handles=handles)
+        names = list(weights.segment_names) if isinstance(weights, HostCopy) and plane == CUDA_IPC else []
+        self._device_snapshot = Snapshot(manifest, buffers, plane=plane, handles=handles, segment_names=names)
         return manifest
 
     def snapshot(self, version: int, plane: int) -> Snapshot:
@@ -182,7 +183,9 @@ class WeightPusher:
         elif request.plane == CUDA_IPC:
             if self.trainer.device.type != "cuda":
                 raise ValueError("plane: cuda_ipc needs a trainer on a CUDA device")
-            if snap.handles:  # staged from the host copy: each handle carries its copy's event
+            if snap.segment_names:  # the host copy in shared memory: engines copy it to their GPU
+                names = snap.segment_names
+            elif snap.handles:  # staged from the host copy: each handle carries its copy's event
                 handles = snap.handles
             else:  # live weights, re-exported each sync (the export event dates from the first one)
                 torch.cuda.synchronize(self.trainer.device)

@@ -28,6 +28,7 @@ class Snapshot:
     buffers: list[torch.Tensor]  # flat uint8 tensors, one per bucket
     plane: int = 0  # the plane it was made for, where that matters (device snapshots)
     handles: list = dataclasses.field(default_factory=list)  # CUDA IPC handles exported with it
+    segment_names: list = dataclasses.field(default_factory=list)  # shared-memory names of `buffers`
 
 
 def _host_buffers(sizes: list[int], cache: list[torch.Tensor]) -> list[torch.Tensor]:

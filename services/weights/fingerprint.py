@@ -201,10 +201,8 @@ def _fast(flat: torch.Tensor) -> str:
     for start in range(0, num_rows, step):
         stop = min(start + step, num_rows)
         block = rows[start:stop] if stop <= num_full_rows else _with_tail(rows[start:], tail_row)
-        words = scratch[: stop - start]  # [r, W] int64
-        words.copy_(block)
-        s0 += words.sum()
-        words.mul_(col_weights)
+        s0 += block.sum(dtype=torch.int64)
+        words = torch.mul(block, col_weights, out=scratch[: stop - start])  # [r, W] int64, one pass
         torch.sum(words, dim=1, out=row_sums[start:stop])
     row_weights = torch.arange(num_rows, dtype=torch.int64, device=device) * _S2 + _C2  # [R]
     s1 = (row_sums * row_weights).sum()

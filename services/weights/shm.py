@@ -42,6 +42,18 @@ def _map(path: Path, nbytes: int) -> torch.Tensor:
     return torch.from_file(str(path), shared=True, size=nbytes, dtype=torch.uint8)
 
 
+def pin(t: torch.Tensor) -> None:
+    """Page-lock a host mapping for the GPU (cudaHostRegister), so copies to and from the device
+    run at full speed and asynchronously, in every process that maps it."""
+    if t.numel():
+        torch.cuda.check_error(torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel(), 0))
+
+
+def unpin(t: torch.Tensor) -> None:
+    if t.numel():
+        torch.cuda.check_error(torch.cuda.cudart().cudaHostUnregister(t.data_ptr()))
+
+
 def _try_lock(fd: int, kind: int) -> bool:
     try:
         fcntl.flock(fd, kind | fcntl.LOCK_NB)
@@ -72,7 +84,9 @@ class _SegmentSet:
                 made.fds.append(fd)
                 # The resource tracker unlinks the segment should this process die without close().
                 resource_tracker.register(f"/{name}", "shared_memory")
-                os.ftruncate(fd, max(size, 1))
+                # Reserve the pages now: a /dev/shm too small for the set fails here with ENOSPC,
+                # where a merely truncated file would kill the process with SIGBUS on first write.
+                os.posix_fallocate(fd, 0, max(size, 1))
                 made.views.append(_map(SHM_DIR / name, size))
         except OSError as e:
             made.close()
@@ -103,6 +117,38 @@ class _SegmentSet:
         for fd in self.fds:
             os.close(fd)
         self.names, self.fds, self.views = [], [], []
+
+
+class SharedBuffers:
+    """Host buffers other processes can map by name (the trainer's host copy of the weights),
+    page-locked for the GPU when `pinned`. Unlinked on close."""
+
+    def __init__(self, sizes: list[int], *, pinned: bool, prefix: str = "rlfleet-host"):
+        self._set = _SegmentSet.create(prefix, sizes)
+        self.pinned = False
+        if pinned:
+            try:
+                for view in self._set.views:
+                    pin(view)
+            except BaseException:
+                self.close()
+                raise
+            self.pinned = True
+
+    @property
+    def names(self) -> list[str]:
+        return list(self._set.names)
+
+    @property
+    def buffers(self) -> list[torch.Tensor]:
+        return list(self._set.views)
+
+    def close(self) -> None:
+        if self.pinned:
+            for view in self._set.views:
+                unpin(view)
+            self.pinned = False
+        self._set.close()
 
 
 class ShmWriter:
@@ -163,14 +209,21 @@ class ShmReader:
         self._pending: dict[str, int] = {}  # locked for an update not yet adopted
         self._opened: list[str] = []
         self._previous: set[str] = set()
+        self._pinned: set[str] = set()  # mappings page-locked for the GPU
 
-    def open(self, names: list[str], manifest: Manifest) -> list[torch.Tensor]:
-        """Lock and map one segment per bucket; `adopted()` or `abandon()` must follow."""
+    def open(self, names: list[str], manifest: Manifest, *, pinned: bool = False) -> list[torch.Tensor]:
+        """Lock and map one segment per bucket; `adopted()` or `abandon()` must follow. With
+        `pinned` the mappings are page-locked for the GPU (once; they stay so while mapped)."""
         if len(names) != len(manifest.buckets):
             raise ValueError(f"shm.segment_names: {len(names)} segments for {len(manifest.buckets)} buckets")
         self.abandon()
         try:
             views = [self._open_one(name, bucket.index, bucket.nbytes) for name, bucket in zip(names, manifest.buckets)]
+            if pinned:
+                for name in names:
+                    if name not in self._pinned:
+                        pin(self._maps[name])
+                        self._pinned.add(name)
         except BaseException:
             self.abandon()
             raise
@@ -195,8 +248,15 @@ class ShmReader:
             raise WeightSyncError(f"shm segment {name!r} holds {size} bytes, bucket {index} needs {nbytes}")
         mapped = self._maps.get(name)
         if mapped is None or mapped.numel() != size:
+            self._forget(name)
             mapped = self._maps[name] = _map(SHM_DIR / name, size)
         return mapped[:nbytes]
+
+    def _forget(self, name: str) -> None:
+        mapped = self._maps.pop(name, None)
+        if name in self._pinned:
+            self._pinned.discard(name)
+            unpin(mapped)
 
     def adopted(self) -> None:
         """The engine now serves the set opened last: keep its locks, release the previous set's."""
@@ -206,8 +266,16 @@ class ShmReader:
         self._held.update(self._pending)
         self._pending = {}
         for name in [n for n in self._maps if n not in current and n not in self._previous]:
-            del self._maps[name]  # neither of the two sets the trainer writes in turn
+            self._forget(name)  # neither of the two sets the trainer writes in turn
         self._previous = current
+
+    def copied(self) -> None:
+        """The update copied out of the set opened last instead of adopting it (an engine on a
+        GPU reading the trainer's host copy): release its locks, keep its mappings for next time."""
+        self.abandon()
+        keep = set(self._opened) | set(self._held)
+        for name in [n for n in self._maps if n not in keep]:
+            self._forget(name)
 
     def abandon(self) -> None:
         """The update failed: release its locks; the set being served keeps its own."""
@@ -224,4 +292,5 @@ class ShmReader:
 
     def close(self) -> None:
         self.release()
-        self._maps.clear()
+        for name in list(self._maps):
+            self._forget(name)

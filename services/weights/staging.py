@@ -1,6 +1,6 @@
 """Host -> device staging for syncs that read an offloaded trainer's host copy on a GPU machine.
 
-Two ways, both overlapping the PCIe copy with the send instead of copying everything first:
+Three ways, each overlapping the PCIe copy with what follows instead of copying everything first:
 
 - `stage_and_send` (NCCL broadcast): two device slots, used in turn. Bucket k+1 is copied
   host->device on a copy stream while bucket k is being sent; a slot is refilled only after the
@@ -10,7 +10,10 @@ Two ways, both overlapping the PCIe copy with the send instead of copying everyt
   buffer, and its copy is queued before the next one; exporting the buffer records an IPC event
   behind its copy, and an engine that opens it waits for that event on its own stream. The
   engine starts on bucket 0 while later buckets are still crossing PCIe, with no round trip per
-  bucket.
+  bucket. Used when the host copy is private memory.
+- `upload_and_fingerprint` (an engine on the trainer's GPU, host copy in shared memory): the
+  engine copies the trainer's page-locked host copy to its own device itself, and fingerprints
+  bucket k while bucket k+1 crosses PCIe. Nothing is staged on the trainer's GPU.
 """
 
 from __future__ import annotations
@@ -77,3 +80,30 @@ def stage_for_ipc(host_buffers: Sequence[torch.Tensor], device: torch.device
             handles.append(cuda_ipc.export(k, flat))  # records the event behind this copy
             buffers.append(flat)
     return buffers, handles
+
+
+def upload_and_fingerprint(host_views: Sequence[torch.Tensor], device: torch.device, algo: str
+                           ) -> tuple[list[torch.Tensor], list[str]]:
+    """Copy flat uint8 host buckets (page-locked) into new device buffers on a copy stream, and
+    fingerprint each on the current stream as soon as it has landed. Returns both lists; the
+    buffers are ready for the current stream."""
+    from services.weights.fingerprint import fingerprint
+
+    current = torch.cuda.current_stream(device)
+    copier = torch.cuda.Stream(device)
+    copier.wait_stream(current)
+    buffers, landed = [], []
+    with torch.cuda.stream(copier):
+        for host in host_views:
+            flat = torch.empty(host.numel(), dtype=torch.uint8, device=device)
+            flat.copy_(host, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(copier)
+            buffers.append(flat)
+            landed.append(event)
+    prints = []
+    for flat, event in zip(buffers, landed):
+        current.wait_event(event)
+        flat.record_stream(current)  # allocated on the copy stream, used from here on
+        prints.append(fingerprint(flat, algo))
+    return buffers, prints

@@ -107,8 +107,24 @@ def test_fingerprints_made_at_capture_match_the_host_copy(tmp_path):
     from tests.conftest import make_tiny_model
 
     trainer = TorchTrainer(TrainerSettings(model_path=str(make_tiny_model(tmp_path / "m")), device="cuda",
-                                           bucket_bytes=256 << 10))
+                                           bucket_bytes=16 << 10))
     trainer.sleep()
     copy = trainer.store.get(ACTOR)
     assert len(copy.buffers) > 2
     assert copy.fingerprints["fast"] == [fingerprint(b, "fast") for b in copy.buffers]
+
+
+def test_the_actor_host_copy_is_shared_and_page_locked(tmp_path):
+    """Engines on the trainer's GPU map the sleeping trainer's host copy by name and copy it to
+    the device themselves, so it lives in /dev/shm, registered with CUDA in the trainer."""
+    from services.trainer.host_store import ACTOR
+    from services.weights.shm import SHM_DIR
+    from tests.conftest import make_tiny_model
+
+    trainer = TorchTrainer(TrainerSettings(model_path=str(make_tiny_model(tmp_path / "m")), device="cuda", offload=True))
+    trainer.sleep()
+    copy = trainer.store.get(ACTOR)
+    assert copy.segment_names and all((SHM_DIR / n).exists() for n in copy.segment_names)
+    assert all(b.is_pinned() for b in copy.buffers)
+    trainer.close()
+    assert not any((SHM_DIR / n).exists() for n in copy.segment_names)

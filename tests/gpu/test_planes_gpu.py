@@ -28,7 +28,7 @@ def test_cuda_ipc_sync_is_bit_exact(tmp_path, offload, exact):
         fleet.wait_ready(timeout_s=180)
         trainer, engine = TrainerClient(fleet.children[0].address), RolloutClient(fleet.children[1].address)
         trainer.configure(trainer_pb2.TrainerConfig(model_path=str(model), device="cuda", offload=offload,
-                                                    bucket_bytes=256 << 10,  # several buckets, events, handles
+                                                    bucket_bytes=16 << 10,  # several buckets, events, handles
                                                     optimizer=trainer_pb2.OptimizerConfig(lr=1e-2)))
         engine.configure(rollout_pb2.RolloutConfig(model_path=str(model), device="cuda", load_weights=False))
         syncer = WeightSyncer(trainer=trainer, engines=[engine], trainer_caps=trainer.capabilities,
@@ -43,7 +43,7 @@ def test_cuda_ipc_sync_is_bit_exact(tmp_path, offload, exact):
             assert result.ok == {0} and not result.failures, result.failures
             assert result.source == ("host" if offload else "gpu")
             manifest = trainer.weight_manifest("sha256")
-            version, prints = engine.fingerprints("sha256", 256 << 10)
+            version, prints = engine.fingerprints("sha256", 16 << 10)
             assert version == manifest.version == step
             assert len(prints) > 2 and prints == [b.fingerprint for b in manifest.buckets]
         syncer.close()

@@ -104,3 +104,21 @@ def test_views_stay_readable_after_the_trainer_unlinks():
     assert int(views[0].sum()) == 7 * SIZES[0]
     reader.close()
     assert torch.equal(views[1], torch.full((SIZES[1],), 7, dtype=torch.uint8))
+
+
+def test_shared_host_buffers_are_mapped_by_name_and_unlinked_on_close():
+    from services.weights.shm import SharedBuffers
+
+    shared = SharedBuffers(SIZES, pinned=False, prefix="rlfleet-test-host")
+    reader = ShmReader()
+    try:
+        assert all((SHM_DIR / n).exists() for n in shared.names)
+        assert all(bool((b == 0).all()) for b in shared.buffers)  # new pages read as zero
+        shared.buffers[0].fill_(9)
+        views = reader.open(shared.names, _manifest(1))
+        reader.copied()  # copied out, not adopted: no lock stays behind
+        assert int(views[0].sum()) == 9 * SIZES[0]
+    finally:
+        reader.close()
+        shared.close()
+    assert not any((SHM_DIR / n).exists() for n in shared.names)
