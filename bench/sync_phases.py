@@ -82,6 +82,8 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"{name} sync {i}: {total:.1f} ms ({', '.join(phases)}){' FAILED ' + str(result.failures) if result.failures else ''}",
                           flush=True)
                 syncer.close()
+            print("engine log (the last 12 lines):", flush=True)
+            print("".join(fleet.children[1].log_path.read_text().splitlines(keepends=True)[-12:]), flush=True)
         finally:
             pool.shutdown()
             fleet.stop()

@@ -267,16 +267,20 @@ class GetWeightsRequest(_message.Message):
     def __init__(self, version: _Optional[int] = ..., buckets: _Optional[_Iterable[int]] = ..., chunk_bytes: _Optional[int] = ...) -> None: ...
 
 class PushWeightsRequest(_message.Message):
-    __slots__ = ("plane", "version", "broadcast", "request_id")
+    __slots__ = ("plane", "version", "broadcast", "request_id", "current", "fingerprint_algo")
     PLANE_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     BROADCAST_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    CURRENT_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_ALGO_FIELD_NUMBER: _ClassVar[int]
     plane: _weights_pb2.WeightPlane
     version: int
     broadcast: _weights_pb2.BroadcastSource
     request_id: str
-    def __init__(self, plane: _Optional[_Union[_weights_pb2.WeightPlane, str]] = ..., version: _Optional[int] = ..., broadcast: _Optional[_Union[_weights_pb2.BroadcastSource, _Mapping]] = ..., request_id: _Optional[str] = ...) -> None: ...
+    current: bool
+    fingerprint_algo: str
+    def __init__(self, plane: _Optional[_Union[_weights_pb2.WeightPlane, str]] = ..., version: _Optional[int] = ..., broadcast: _Optional[_Union[_weights_pb2.BroadcastSource, _Mapping]] = ..., request_id: _Optional[str] = ..., current: _Optional[bool] = ..., fingerprint_algo: _Optional[str] = ...) -> None: ...
 
 class PushWeightsResponse(_message.Message):
     __slots__ = ("manifest", "seconds", "shm_segments", "cuda_ipc_handles")

@@ -98,9 +98,14 @@ class TrainerClient(_Client):
             return self._stub.GetWeightManifest(request, timeout=self.deadline_s).manifest
 
     def push_weights(
-        self, plane: int, version: int, broadcast: weights_pb2.BroadcastSource | None = None
+        self, plane: int, version: int | None, broadcast: weights_pb2.BroadcastSource | None = None,
+        fingerprint_algo: str = "",
     ) -> trainer_pb2.PushWeightsResponse:
-        request = trainer_pb2.PushWeightsRequest(plane=plane, version=version, broadcast=broadcast)
+        """Version None pushes the current weights, making their manifest in the same call."""
+        request = trainer_pb2.PushWeightsRequest(
+            plane=plane, version=version or 0, current=version is None, broadcast=broadcast,
+            fingerprint_algo=fingerprint_algo,
+        )
         with self._call("PushWeights"):
             return self._stub.PushWeights(request, timeout=self.deadline_s)
 

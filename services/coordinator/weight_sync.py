@@ -115,19 +115,15 @@ class WeightSyncer:
         return self._update_all(members, manifest, trainer=endpoint)
 
     def _sync_shm(self, members) -> SyncResult:
-        manifest = self.trainer.weight_manifest(self._algo(), PLANES["shm"])
-        reply = self.trainer.push_weights(PLANES["shm"], manifest.version)
+        reply = self.trainer.push_weights(PLANES["shm"], None, fingerprint_algo=self._algo())  # manifest and push at once
         return self._update_all(members, reply.manifest, shm=weights_pb2.ShmSource(segment_names=reply.shm_segments))
 
     def _sync_cuda_ipc(self, members) -> SyncResult:
-        manifest = self.trainer.weight_manifest(self._algo(), PLANES["cuda_ipc"])
-        reply = self.trainer.push_weights(PLANES["cuda_ipc"], manifest.version)
-        if reply.shm_segments:  # an offloaded trainer's host copy: each engine copies it to the GPU
-            source = {"shm": weights_pb2.ShmSource(segment_names=reply.shm_segments)}
-        else:
-            source = {"cuda_ipc": weights_pb2.CudaIpcSource(handles=reply.cuda_ipc_handles)}
+        reply = self.trainer.push_weights(PLANES["cuda_ipc"], None, fingerprint_algo=self._algo())
+        if reply.shm_segments:  # an offloaded trainer's host copy: each engine uploads it; nothing to release
+            return self._update_all(members, reply.manifest, shm=weights_pb2.ShmSource(segment_names=reply.shm_segments))
         try:
-            return self._update_all(members, reply.manifest, **source)
+            return self._update_all(members, reply.manifest, cuda_ipc=weights_pb2.CudaIpcSource(handles=reply.cuda_ipc_handles))
         finally:
             self.trainer.release_weights(reply.manifest.version)
 

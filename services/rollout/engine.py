@@ -10,6 +10,7 @@ new ones, never a mix. After an update that failed past validation the engine le
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass
 
 import torch
@@ -74,8 +75,10 @@ class RolloutEngine:
         self.last_error = ""
         self.released: set[str] = set()
         self._params = list(self.model.parameters())
+        self._named = dict(named_weights(self.model))  # the same tensor objects for the engine's life
         memory.make_resizable(self._params)
         self._param_sizes: list[int] = []
+        self.last_apply_seconds = 0.0  # of the last update: loading verified buckets into the model
         self._lock = threading.Lock()
 
     @property
@@ -107,10 +110,11 @@ class RolloutEngine:
         With `read_back` (exact verification) the loaded weights are packed again and compared
         with the manifest, proving the model holds exactly the trainer's bytes. With `adopt` the
         model takes the verified buffers as its weights instead of copying them."""
+        started = time.perf_counter()
         with self._lock:
             if "weights" in self.released:
                 raise EngineStateError("UpdateWeights: weights are released; call ResumeMemory(weights) first")
-            copied = load_buckets_into(dict(named_weights(self.model)), manifest, buffers, adopt=adopt)
+            copied = load_buckets_into(self._named, manifest, buffers, adopt=adopt)
             actual = self._fingerprints_locked(manifest.buckets, manifest.fingerprint_algo) if read_back else []
             expected = [b.fingerprint for b in manifest.buckets]
             if read_back and actual != expected:
@@ -119,6 +123,7 @@ class RolloutEngine:
                 raise WeightSyncError(f"weights did not verify after loading: {self.last_error}")
             self.weight_version = manifest.version
             self.serving, self.last_error = True, ""
+            self.last_apply_seconds = time.perf_counter() - started
             return copied
 
     def leave_pool(self, reason: str) -> None:
@@ -130,7 +135,7 @@ class RolloutEngine:
 
     def _fingerprints_locked(self, buckets, algo: str) -> list[str]:
         """Fingerprints of the model's weights laid out as `buckets` (caller holds the lock)."""
-        tensors = dict(named_weights(self.model))
+        tensors = self._named
         with torch.no_grad():
             return [fingerprint(pack_bucket(b, tensors), algo) for b in buckets]
 

@@ -154,7 +154,8 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
                 log.warning("update to version %d failed: %s", manifest.version, reason)
                 raise WeightSyncError(engine.last_error) from e
             seconds = time.perf_counter() - started
-            log.info("weights version %d: %.1f MB in %.3fs", manifest.version, copied / 1e6, seconds)
+            log.info("weights version %d: %.1f MB in %.3fs (%.3fs of it loading into the model)",
+                     manifest.version, copied / 1e6, seconds, engine.last_apply_seconds)
             return rollout_pb2.UpdateWeightsResponse(
                 version=manifest.version,
                 fingerprints=[b.fingerprint for b in manifest.buckets],

@@ -163,7 +163,12 @@ class WeightPusher:
     # ---- push --------------------------------------------------------------------------------
     def push(self, request) -> tuple[Manifest, list[str], list[weights_pb2.CudaIpcHandle], float]:
         started = time.perf_counter()
-        snap = self.snapshot(request.version, request.plane)
+        version = request.version
+        if request.current:  # the current weights, manifest and push in one call
+            if request.plane == BROADCAST:
+                raise ValueError("current: a broadcast needs GetWeightManifest first (engines receive it before the push)")
+            version = self.manifest(request.plane, request.fingerprint_algo).version
+        snap = self.snapshot(version, request.plane)
         names, handles = [], []
         if request.plane == BROADCAST:
             group = self.groups.get(request.broadcast.group_name or "weight_update_group")

@@ -150,6 +150,14 @@ class SharedBuffers:
             self.pinned = False
         self._set.close()
 
+    def __del__(self) -> None:
+        # Unregister before the mappings go: CUDA would keep the range registered, and a later
+        # mapping at the same address could not be registered again.
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 (interpreter shutdown: CUDA may be gone)
+            pass
+
 
 class ShmWriter:
     """Trainer side: two segment sets used in turn (and unlinked on close)."""
@@ -294,3 +302,9 @@ class ShmReader:
         self.release()
         for name in list(self._maps):
             self._forget(name)
+
+    def __del__(self) -> None:
+        try:
+            self.close()  # unregister pinned mappings before they go (see SharedBuffers)
+        except Exception:  # noqa: BLE001
+            pass

@@ -6,7 +6,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.weights import cuda_ipc
 from services.weights.fingerprint import fingerprint
 from services.weights.staging import stage_and_send, stage_for_ipc
 
@@ -40,14 +39,35 @@ def test_a_slow_send_gets_every_bucket_intact_from_two_slots():
     assert max(peak) <= 2 * max(SIZES) + (1 << 20)  # two slots, not the whole model
 
 
+_OPENER = """
+import sys
+from services.api import weights_pb2
+from services.weights import cuda_ipc
+from services.weights.fingerprint import fingerprint
+source = weights_pb2.CudaIpcSource.FromString(sys.stdin.buffer.read())
+sizes = [int(n) for n in sys.argv[1:]]
+for handle, n in zip(source.handles, sizes):  # each open waits for that bucket's copy (its event)
+    print(fingerprint(cuda_ipc.open_handle(handle, n), "fast"), flush=True)
+"""
+
+
 def test_ipc_staging_exports_one_event_per_bucket_behind_its_copy():
+    """Another process opens every bucket right away, while the copies may still be running."""
+    import subprocess
+    import sys
+
+    from services.api import weights_pb2
+
     device = torch.device("cuda")
     host = _host_buckets()
     buffers, handles = stage_for_ipc(host, device)
     assert [h.bucket for h in handles] == list(range(len(SIZES)))
     assert all(h.event_sync_required and h.event_handle for h in handles)
-    assert len({bytes(h.handle) for h in handles}) == len(SIZES)  # a storage (and an event) each
-    for h, expected in zip(handles, host):
-        view = cuda_ipc.open_handle(h, expected.numel())
-        assert fingerprint(view, "fast") == fingerprint(expected, "fast")
+    assert len({bytes(h.event_handle) for h in handles}) == len(SIZES)  # an event each
+    opened = subprocess.run(
+        [sys.executable, "-c", _OPENER, *map(str, SIZES)],
+        input=weights_pb2.CudaIpcSource(handles=handles).SerializeToString(),
+        capture_output=True, check=True, timeout=120,
+    )
+    assert opened.stdout.decode().split() == [fingerprint(h, "fast") for h in host]
     del buffers

@@ -14,11 +14,10 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from services.api import coordinator_pb2, coordinator_pb2_grpc, rollout_pb2, trainer_pb2
-from services.coordinator.clients import PeerError, RolloutClient, TrainerClient
+from services.coordinator.clients import RolloutClient, TrainerClient
 from services.coordinator.weight_sync import WeightSyncer, choose_plane
 from services.launcher import LocalFleet
 from services.api import weights_pb2
-from tests.conftest import make_tiny_model
 from tests.integration.conftest import channel
 
 pytestmark = pytest.mark.faults
