@@ -146,6 +146,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
             if source == "broadcast" and request.broadcast.group_name not in self._groups:
                 raise ValueError(f"broadcast.group_name: no group {request.broadcast.group_name!r}; call InitWeightUpdateGroup")
             read_back = request.verify == weights_pb2.VERIFY_MODE_EXACT
+            checked = time.perf_counter()
             try:
                 copied = self._receive_and_apply(engine, request, manifest, read_back)
             except (WeightSyncError, InvalidChunk, grpc.RpcError) as e:
@@ -154,8 +155,9 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
                 log.warning("update to version %d failed: %s", manifest.version, reason)
                 raise WeightSyncError(engine.last_error) from e
             seconds = time.perf_counter() - started
-            log.info("weights version %d: %.1f MB in %.3fs (%.3fs of it loading into the model)",
-                     manifest.version, copied / 1e6, seconds, engine.last_apply_seconds)
+            log.info("weights version %d: %.1f MB in %.3fs (checking the manifest %.3fs, receiving and verifying "
+                     "%.3fs, loading into the model %.3fs)", manifest.version, copied / 1e6, seconds, checked - started,
+                     seconds - (checked - started) - engine.last_apply_seconds, engine.last_apply_seconds)
             return rollout_pb2.UpdateWeightsResponse(
                 version=manifest.version,
                 fingerprints=[b.fingerprint for b in manifest.buckets],
