@@ -98,7 +98,7 @@ class RolloutEngine:
             return results, self.weight_version
 
     def expected_tensors(self) -> dict[str, tuple[str, tuple[int, ...]]]:
-        return {name: (dtype_name(t.dtype), tuple(t.shape)) for name, t in named_weights(self.model)}
+        return {name: (dtype_name(t.dtype), tuple(t.shape)) for name, t in self._named.items()}
 
     def validate(self, manifest: Manifest) -> None:
         """Raise ManifestMismatch (a ValueError) when the update does not fit this model."""

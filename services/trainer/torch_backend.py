@@ -117,6 +117,7 @@ class TorchTrainer:
         self.rebuilds = 0
         self._device_holds: tuple[str, int] | None = (ACTOR, 0)
         self.store: HostStore | None = None
+        self._hash_stream = None  # where fingerprints of captured host copies are made (CUDA)
         if settings.tags or settings.offload or settings.colocate:
             self.store = HostStore(list(self.named.items()), settings.bucket_bytes, share=self._shared_tags())
             for tag in dict.fromkeys(settings.tags):
@@ -166,7 +167,9 @@ class TorchTrainer:
             return
         side = None
         if self.device.type == "cuda":  # forked before the copies are queued, so it runs beside them
-            side = torch.cuda.Stream(self.device)
+            if self._hash_stream is None:  # one for good: the allocator reuses scratch per stream
+                self._hash_stream = torch.cuda.Stream(self.device)
+            side = self._hash_stream
             side.wait_stream(torch.cuda.current_stream(self.device))
         store.capture(ACTOR, self.named, self.weights_version, wait=wait)
         if side is not None:

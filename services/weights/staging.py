@@ -91,19 +91,21 @@ def upload_and_fingerprint(host_views: Sequence[torch.Tensor], device: torch.dev
 
     current = torch.cuda.current_stream(device)
     copier = torch.cuda.Stream(device)
+    # Allocated on the current stream, where they live on (as the model's weights): memory the
+    # caching allocator hands out for one stream is only reused on that stream, and a stream made
+    # per sync would never get it back.
+    buffers = [torch.empty(host.numel(), dtype=torch.uint8, device=device) for host in host_views]
     copier.wait_stream(current)
-    buffers, landed = [], []
+    landed = []
     with torch.cuda.stream(copier):
-        for host in host_views:
-            flat = torch.empty(host.numel(), dtype=torch.uint8, device=device)
+        for flat, host in zip(buffers, host_views):
             flat.copy_(host, non_blocking=True)
+            flat.record_stream(copier)
             event = torch.cuda.Event()
             event.record(copier)
-            buffers.append(flat)
             landed.append(event)
     prints = []
     for flat, event in zip(buffers, landed):
         current.wait_event(event)
-        flat.record_stream(current)  # allocated on the copy stream, used from here on
         prints.append(fingerprint(flat, algo))
     return buffers, prints
