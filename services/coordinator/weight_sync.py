@@ -96,11 +96,16 @@ class WeightSyncer:
         return "sha256" if self.exact else ""
 
     def _update_all(self, members, manifest, **source) -> SyncResult:
-        result = SyncResult(manifest.version, manifest.source, manifest.total_bytes)
-        futures = {
+        return self._collect(self._submit_updates(members, manifest, **source), manifest)
+
+    def _submit_updates(self, members, manifest, **source) -> dict:
+        return {
             i: self._pool.submit(self.engines[i].update_weights, manifest, self.timeout_s, self.exact, **source)
             for i in members
         }
+
+    def _collect(self, futures: dict, manifest) -> SyncResult:
+        result = SyncResult(manifest.version, manifest.source, manifest.total_bytes)
         for i, fut in futures.items():
             try:
                 fut.result()
@@ -145,11 +150,16 @@ class WeightSyncer:
         manifest = self.trainer.weight_manifest(self._algo(), PLANES["broadcast"])
         source = weights_pb2.BroadcastSource(group_name=group.name, src_rank=0)
         push = self._pool.submit(self.trainer.push_weights, PLANES["broadcast"], manifest.version, source)
-        result = self._update_all(reachable, manifest, broadcast=source)
+        updates = self._submit_updates(reachable, manifest, broadcast=source)
+        push_error = None
         try:
             push.result()
         except PeerError as e:
-            result.failures.setdefault(self.trainer.address, str(e))
+            push_error = str(e)
+            self._drop_group()  # engines already waiting on the collective are let go now, not at their timeout
+        result = self._collect(updates, manifest)
+        if push_error is not None:
+            result.failures.setdefault(self.trainer.address, push_error)
         if result.failures:
             self._drop_group()  # a collective that failed on any rank cannot be reused
         result.failures.update(failures)

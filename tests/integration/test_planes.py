@@ -171,3 +171,40 @@ def test_a_failing_engine_mid_broadcast_leaves_trainer_and_others_usable(tmp_pat
             except ProcessLookupError:
                 pass
         local.stop()
+
+
+def test_a_push_that_fails_at_once_does_not_hold_the_engines_until_their_timeout(tmp_path, mid_model):
+    """The trainer refuses the push (here: asked for a version it has no manifest of) while the
+    group itself is fine: the engines already waiting on the collective must be let go now, not
+    at the sync timeout."""
+    local = LocalFleet(tmp_path / "logs", env={"OMP_NUM_THREADS": "1"})
+    pool = ThreadPoolExecutor(8)
+    try:
+        local.start("trainer", "trainer-0", [])
+        for i in range(2):
+            local.start("rollout", f"rollout-{i}", [])
+        local.wait_ready()
+        trainer = TrainerClient(local.children[0].address)
+        engines = [RolloutClient(c.address) for c in local.children[1:]]
+        _configure(trainer, engines, mid_model)
+        syncer = WeightSyncer(
+            trainer=trainer, engines=engines, trainer_caps=trainer.capabilities,
+            engine_caps=[e.capabilities for e in engines], forced="broadcast", exact=False, timeout_s=60.0,
+            token="", pool=pool,
+        )
+        assert not syncer.sync({0, 1}).failures
+        real_push = trainer.push_weights
+        trainer.push_weights = lambda plane, version, *a, **kw: real_push(plane, version + 999, *a, **kw)
+        started = time.monotonic()
+        broken = syncer.sync({0, 1})
+        took = time.monotonic() - started
+        assert trainer.address in broken.failures and "has no manifest" in broken.failures[trainer.address]
+        assert took < 15.0, f"engines were held {took:.0f}s by a push that had already failed"
+        trainer.push_weights = real_push
+        again = syncer.sync({0, 1})  # a new group is formed
+        assert again.ok == {0, 1} and not again.failures, again.failures
+        assert all(_sha256_matches(trainer, e, 8 << 20) for e in engines)
+        syncer.close()
+    finally:
+        pool.shutdown()
+        local.stop()
