@@ -14,6 +14,7 @@ never changed under an engine. Locks go away with the process that held them. Li
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import fcntl
 import os
@@ -45,8 +46,22 @@ def _map(path: Path, nbytes: int) -> torch.Tensor:
 def pin(t: torch.Tensor) -> None:
     """Page-lock a host mapping for the GPU (cudaHostRegister), so copies to and from the device
     run at full speed and asynchronously, in every process that maps it."""
-    if t.numel():
-        torch.cuda.check_error(torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel(), 0))
+    if not t.numel():
+        return
+    cudart = torch.cuda.cudart()
+    error = cudart.cudaHostRegister(t.data_ptr(), t.numel(), 0)
+    if error != cudart.cudaError.success:
+        _clear_last_cuda_error()
+        raise WeightSyncError(f"cudaHostRegister of {t.numel()} bytes failed: {cudart.cudaGetErrorString(error)}")
+
+
+def _clear_last_cuda_error() -> None:
+    """A failed runtime call stays CUDA's "last error", and torch would report it at its next kernel
+    launch as that kernel's failure: read it off (torch binds no cudaGetLastError)."""
+    with open("/proc/self/maps") as maps:
+        paths = {line.split()[-1] for line in maps if "libcudart.so" in line}
+    for path in paths:
+        ctypes.CDLL(path).cudaGetLastError()
 
 
 def unpin(t: torch.Tensor) -> None:

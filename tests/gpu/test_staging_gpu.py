@@ -71,3 +71,20 @@ def test_ipc_staging_exports_one_event_per_bucket_behind_its_copy():
     )
     assert opened.stdout.decode().split() == [fingerprint(h, "fast") for h in host]
     del buffers
+
+
+def test_a_failed_page_lock_is_named_and_leaves_cuda_usable():
+    """A second cudaHostRegister of the same range fails; the error is ours to report, and must not
+    surface later as the failure of some unrelated kernel."""
+    from services.weights import shm
+    from services.weights.errors import WeightSyncError
+
+    buf = torch.zeros(1 << 20, dtype=torch.uint8)
+    shm.pin(buf)
+    try:
+        with pytest.raises(WeightSyncError, match="cudaHostRegister of 1048576 bytes failed"):
+            shm.pin(buf)
+        x = torch.ones(10, device="cuda")
+        assert (x * 2).sum().item() == 20
+    finally:
+        shm.unpin(buf)
