@@ -19,11 +19,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.weight_sync import make_model  # noqa: E402
-from services.api import rollout_pb2, trainer_pb2  # noqa: E402
+from bench.weight_sync import configure, make_model, syncer_for, trainer_and_engine  # noqa: E402
+from services.api import trainer_pb2  # noqa: E402
 from services.coordinator.clients import RolloutClient, TrainerClient  # noqa: E402
-from services.coordinator.weight_sync import WeightSyncer  # noqa: E402
-from services.launcher import LocalFleet  # noqa: E402
 
 TIMED = {TrainerClient: ("weight_manifest", "push_weights", "release_weights"), RolloutClient: ("update_weights",)}
 
@@ -55,22 +53,13 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         model = Path(tmp) / "model"
         print(f"model: {make_model(model, args.mb) / 1e6:.0f} MB", flush=True)
-        fleet = LocalFleet(Path(tmp) / "logs")
         pool = ThreadPoolExecutor(8)
-        try:
-            fleet.start("trainer", "trainer-0", [])
-            fleet.start("rollout", "rollout-0", [])
-            fleet.wait_ready(timeout_s=300)
-            trainer, engine = TrainerClient(fleet.children[0].address), RolloutClient(fleet.children[1].address)
+        with trainer_and_engine(Path(tmp)) as (fleet, trainer, engine):
             sample = trainer_pb2.Sample(prompt_ids=[3, 4], response_ids=[5], advantage=1.0)
             for name in args.planes.split(","):
                 from_host = name.endswith("_host")
-                trainer.configure(trainer_pb2.TrainerConfig(model_path=str(model), device=args.device, offload=from_host,
-                                                            optimizer=trainer_pb2.OptimizerConfig(lr=1e-6)))
-                engine.configure(rollout_pb2.RolloutConfig(model_path=str(model), device=args.device))
-                syncer = WeightSyncer(trainer=trainer, engines=[engine], trainer_caps=trainer.capabilities,
-                                      engine_caps=[engine.capabilities], forced=name.removesuffix("_host"), exact=False,
-                                      timeout_s=600, token="", pool=pool)
+                configure(trainer, engine, model, args.device, offload=from_host)
+                syncer = syncer_for(trainer, [engine], name.removesuffix("_host"), pool)
                 for i in range(args.syncs):
                     trainer.train_step(trainer_pb2.Batch(samples=[sample]))
                     if from_host:
@@ -79,14 +68,12 @@ def main(argv: list[str] | None = None) -> int:
                     start = time.perf_counter()
                     result = syncer.sync({0})
                     total = 1e3 * (time.perf_counter() - start)
-                    print(f"{name} sync {i}: {total:.1f} ms ({', '.join(phases)}){' FAILED ' + str(result.failures) if result.failures else ''}",
-                          flush=True)
+                    failed = f" FAILED {result.failures}" if result.failures else ""
+                    print(f"{name} sync {i}: {total:.1f} ms ({', '.join(phases)}){failed}", flush=True)
                 syncer.close()
             print("engine log (the last 12 lines):", flush=True)
             print("".join(fleet.children[1].log_path.read_text().splitlines(keepends=True)[-12:]), flush=True)
-        finally:
-            pool.shutdown()
-            fleet.stop()
+        pool.shutdown()
     return 0
 
 

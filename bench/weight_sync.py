@@ -15,6 +15,7 @@ both are compared). Prints one JSON line per plane; --out appends them to a file
 from __future__ import annotations
 
 import argparse
+import contextlib
 import socket
 import statistics
 import subprocess
@@ -24,7 +25,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 
@@ -56,6 +57,32 @@ def make_model(directory: Path, target_mb: int) -> int:
     save_hf_dir(model, config, directory)
     tokenizer.save(directory)
     return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+@contextlib.contextmanager
+def trainer_and_engine(tmp: Path) -> Iterator[tuple[LocalFleet, TrainerClient, RolloutClient]]:
+    """A trainer and a rollout engine, each its own process, as `rlfleet run` starts them."""
+    fleet = LocalFleet(tmp / "logs")
+    try:
+        fleet.start("trainer", "trainer-0", [])
+        fleet.start("rollout", "rollout-0", [])
+        fleet.wait_ready(timeout_s=300)
+        yield fleet, TrainerClient(fleet.children[0].address), RolloutClient(fleet.children[1].address)
+    finally:
+        fleet.stop()
+
+
+def configure(trainer: TrainerClient, engine: RolloutClient, model: Path, device: str, offload: bool) -> None:
+    trainer.configure(trainer_pb2.TrainerConfig(model_path=str(model), device=device, offload=offload,
+                                                optimizer=trainer_pb2.OptimizerConfig(lr=1e-6)))
+    engine.configure(rollout_pb2.RolloutConfig(model_path=str(model), device=device))
+
+
+def syncer_for(trainer: TrainerClient, engines: list[RolloutClient], plane: str, pool) -> WeightSyncer:
+    return WeightSyncer(
+        trainer=trainer, engines=engines, trainer_caps=trainer.capabilities,
+        engine_caps=[e.capabilities for e in engines], forced=plane, exact=False, timeout_s=600.0, token="", pool=pool,
+    )
 
 
 # ---- limits -------------------------------------------------------------------------------------
@@ -151,10 +178,7 @@ def time_plane(trainer, engines, plane: str, repeats: int, pool, *, sleep: bool 
                limit: Callable[[], float]) -> tuple[float, float]:
     """Median seconds per sync, and the median of `limit()` (GB/s) measured right after each
     timed sync: on a shared machine the limit drifts, and a ratio should compare like with like."""
-    syncer = WeightSyncer(
-        trainer=trainer, engines=engines, trainer_caps=trainer.capabilities,
-        engine_caps=[e.capabilities for e in engines], forced=plane, exact=False, timeout_s=600.0, token="", pool=pool,
-    )
+    syncer = syncer_for(trainer, engines, plane, pool)
     sample = trainer_pb2.Sample(prompt_ids=[3, 4], response_ids=[5], advantage=1.0)
     times, limits = [], []
     try:
@@ -192,14 +216,8 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         model_bytes = make_model(Path(tmp) / "model", args.mb)
         print(f"model: {model_bytes / 1e6:.0f} MB", file=sys.stderr, flush=True)
-        fleet = LocalFleet(Path(tmp) / "logs")
         pool = ThreadPoolExecutor(8)
-        try:
-            fleet.start("trainer", "trainer-0", [])
-            fleet.start("rollout", "rollout-0", [])
-            fleet.wait_ready(timeout_s=300)
-            trainer = TrainerClient(fleet.children[0].address)
-            engine = RolloutClient(fleet.children[1].address)
+        with trainer_and_engine(Path(tmp)) as (_, trainer, engine):
             limits = {
                 "grpc_stream": ("tcp_loopback", lambda: tcp_limit(model_bytes)),
                 "shm": ("memcpy", lambda: memcpy_limit(model_bytes)),
@@ -211,18 +229,13 @@ def main(argv: list[str] | None = None) -> int:
             for name in (args.planes or default).split(","):
                 from_host = name.endswith("_host")
                 plane = name.removesuffix("_host")
-                trainer.configure(trainer_pb2.TrainerConfig(
-                    model_path=str(Path(tmp) / "model"), device=args.device, offload=from_host,
-                    optimizer=trainer_pb2.OptimizerConfig(lr=1e-6)))
-                engine.configure(rollout_pb2.RolloutConfig(model_path=str(Path(tmp) / "model"), device=args.device))
+                configure(trainer, engine, Path(tmp) / "model", args.device, offload=from_host)
                 limit_name, measure = limits[name]
                 seconds, limit = time_plane(trainer, [engine], plane, args.repeats, pool, sleep=from_host, limit=measure)
                 line = record(name, model_bytes / seconds / 1e9, limit, plane=plane, source="host" if from_host else "live",
                               bytes=model_bytes, limit=limit_name, seconds=round(seconds, 4), num_gpus=num_gpus)
                 emit(line, args.out)
-        finally:
-            pool.shutdown()
-            fleet.stop()
+        pool.shutdown()
     return 0
 
 

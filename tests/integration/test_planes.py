@@ -121,8 +121,9 @@ def _configure(trainer: TrainerClient, engines: list[RolloutClient], model) -> N
         engine.configure(rollout_pb2.RolloutConfig(model_path=str(model), load_weights=True))
 
 
-@pytest.mark.parametrize("failure", ["killed", "stalled"])
-def test_a_failing_engine_mid_broadcast_leaves_trainer_and_others_usable(tmp_path, mid_model, failure):
+@pytest.fixture
+def trainer_and_two_engines(tmp_path, mid_model):
+    """A configured trainer and two engines (the mid-sized model), each its own process."""
     local = LocalFleet(tmp_path / "logs", env={"OMP_NUM_THREADS": "1"})
     try:
         local.start("trainer", "trainer-0", [])
@@ -132,61 +133,60 @@ def test_a_failing_engine_mid_broadcast_leaves_trainer_and_others_usable(tmp_pat
         trainer = TrainerClient(local.children[0].address)
         engines = [RolloutClient(c.address) for c in local.children[1:]]
         _configure(trainer, engines, mid_model)
-        pool = ThreadPoolExecutor(8)
-        syncer = WeightSyncer(
-            trainer=trainer, engines=engines, trainer_caps=trainer.capabilities,
-            engine_caps=[e.capabilities for e in engines], forced="broadcast", exact=False, timeout_s=4.0,
-            token="", pool=pool,
-        )
-        first = syncer.sync({0, 1})
-        assert first.ok == {0, 1} and not first.failures
-        trainer.train_step(trainer_pb2.Batch(samples=[trainer_pb2.Sample(prompt_ids=[3, 4], response_ids=[5], advantage=1.0)]))
-
-        victim = local.children[2].process
-        os.kill(victim.pid, signal.SIGSTOP)
-        if failure == "killed":
-            threading.Timer(1.0, lambda: os.kill(victim.pid, signal.SIGKILL)).start()
-        started = time.monotonic()
-        broken = syncer.sync({0, 1})
-        took = time.monotonic() - started
-        assert 1 not in broken.ok and engines[1].address in broken.failures
-        assert took < 4.0 + 10.0  # the configured timeout, plus slack for a loaded 2-core box
-        print(f"{failure}: sync failed after {took:.1f}s: {broken.failures}")
-
-        # the trainer is fine: it answers, trains, and serves the next sync
-        assert trainer.status().configured
-        trainer.train_step(trainer_pb2.Batch(samples=[trainer_pb2.Sample(prompt_ids=[3, 4], response_ids=[5], advantage=1.0)]))
-        if failure == "stalled":
-            os.kill(victim.pid, signal.SIGKILL)
-        again = syncer.sync({0})
-        assert 0 in again.ok
-        assert engines[1].address in again.failures  # dead: left out of the rebuilt group
-        assert _sha256_matches(trainer, engines[0], 8 << 20)
-        syncer.close()
-        pool.shutdown()
+        yield local, trainer, engines
     finally:
         for child in local.children:
             try:
-                os.kill(child.process.pid, signal.SIGCONT)
+                os.kill(child.process.pid, signal.SIGCONT)  # a test may have stopped one
             except ProcessLookupError:
                 pass
         local.stop()
 
 
-def test_a_push_that_fails_at_once_does_not_hold_the_engines_until_their_timeout(tmp_path, mid_model):
+@pytest.mark.parametrize("failure", ["killed", "stalled"])
+def test_a_failing_engine_mid_broadcast_leaves_trainer_and_others_usable(trainer_and_two_engines, failure):
+    local, trainer, engines = trainer_and_two_engines
+    pool = ThreadPoolExecutor(8)
+    syncer = WeightSyncer(
+        trainer=trainer, engines=engines, trainer_caps=trainer.capabilities,
+        engine_caps=[e.capabilities for e in engines], forced="broadcast", exact=False, timeout_s=4.0,
+        token="", pool=pool,
+    )
+    first = syncer.sync({0, 1})
+    assert first.ok == {0, 1} and not first.failures
+    trainer.train_step(trainer_pb2.Batch(samples=[trainer_pb2.Sample(prompt_ids=[3, 4], response_ids=[5], advantage=1.0)]))
+
+    victim = local.children[2].process
+    os.kill(victim.pid, signal.SIGSTOP)
+    if failure == "killed":
+        threading.Timer(1.0, lambda: os.kill(victim.pid, signal.SIGKILL)).start()
+    started = time.monotonic()
+    broken = syncer.sync({0, 1})
+    took = time.monotonic() - started
+    assert 1 not in broken.ok and engines[1].address in broken.failures
+    assert took < 4.0 + 10.0  # the configured timeout, plus slack for a loaded 2-core box
+    print(f"{failure}: sync failed after {took:.1f}s: {broken.failures}")
+
+    # the trainer is fine: it answers, trains, and serves the next sync
+    assert trainer.status().configured
+    trainer.train_step(trainer_pb2.Batch(samples=[trainer_pb2.Sample(prompt_ids=[3, 4], response_ids=[5], advantage=1.0)]))
+    if failure == "stalled":
+        os.kill(victim.pid, signal.SIGKILL)
+    again = syncer.sync({0})
+    assert 0 in again.ok
+    assert engines[1].address in again.failures  # dead: left out of the rebuilt group
+    assert _sha256_matches(trainer, engines[0], 8 << 20)
+    syncer.close()
+    pool.shutdown()
+
+
+def test_a_push_that_fails_at_once_does_not_hold_the_engines_until_their_timeout(trainer_and_two_engines):
     """The trainer refuses the push (here: asked for a version it has no manifest of) while the
     group itself is fine: the engines already waiting on the collective must be let go now, not
     at the sync timeout."""
-    local = LocalFleet(tmp_path / "logs", env={"OMP_NUM_THREADS": "1"})
+    _, trainer, engines = trainer_and_two_engines
     pool = ThreadPoolExecutor(8)
     try:
-        local.start("trainer", "trainer-0", [])
-        for i in range(2):
-            local.start("rollout", f"rollout-{i}", [])
-        local.wait_ready()
-        trainer = TrainerClient(local.children[0].address)
-        engines = [RolloutClient(c.address) for c in local.children[1:]]
-        _configure(trainer, engines, mid_model)
         syncer = WeightSyncer(
             trainer=trainer, engines=engines, trainer_caps=trainer.capabilities,
             engine_caps=[e.capabilities for e in engines], forced="broadcast", exact=False, timeout_s=60.0,
@@ -207,4 +207,3 @@ def test_a_push_that_fails_at_once_does_not_hold_the_engines_until_their_timeout
         syncer.close()
     finally:
         pool.shutdown()
-        local.stop()
