@@ -88,3 +88,38 @@ def test_a_failed_page_lock_is_named_and_leaves_cuda_usable():
         assert (x * 2).sum().item() == 20
     finally:
         shm.unpin(buf)
+
+
+def test_an_nccl_push_from_a_sleeping_trainer_sends_each_bucket_from_a_staged_slot(tmp_path):
+    """The real NCCL path of PushWeights on one GPU (a one-rank group: the only one NCCL allows
+    here). Each slot is fingerprinted right after its broadcast, before it can be refilled."""
+    from services.api import trainer_pb2, weights_pb2
+    from services.trainer.settings import TrainerSettings
+    from services.trainer.torch_backend import TorchTrainer
+    from services.trainer.weight_push import BROADCAST, WeightPusher
+    from tests.conftest import make_tiny_model
+
+    trainer = TorchTrainer(TrainerSettings(model_path=str(make_tiny_model(tmp_path / "m")), device="cuda",
+                                           offload=True, bucket_bytes=16 << 10))
+    pusher = WeightPusher(trainer)
+    try:
+        pusher.init_group(weights_pb2.InitWeightUpdateGroupRequest(
+            group_name="g", world_size=1, backend="nccl", master_address="127.0.0.1"))
+        trainer.sleep()
+        manifest = pusher.manifest(BROADCAST)
+        assert manifest.source == "host" and len(manifest.buckets) > 2
+        group, sent = pusher.groups["g"], []
+        broadcast = group.broadcast_bucket
+
+        def watched(flat, src=0, on_part=None):
+            assert flat.device.type == "cuda"  # a device slot, not the host copy
+            broadcast(flat, src=src, on_part=on_part)
+            sent.append(fingerprint(flat, "fast"))
+
+        group.broadcast_bucket = watched
+        pusher.push(trainer_pb2.PushWeightsRequest(plane=BROADCAST, version=manifest.version,
+                                                   broadcast=weights_pb2.BroadcastSource(group_name="g")))
+        assert sent == [b.fingerprint for b in manifest.buckets]
+    finally:
+        pusher.close()
+        trainer.close()
