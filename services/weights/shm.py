@@ -10,6 +10,10 @@ engine holds a shared `flock` on every segment it serves; the trainer takes an e
 before rewriting a set, and when it cannot (an engine whose last update failed still serves the
 older set, say) it unlinks that set and writes a fresh one instead, so a previous version is
 never changed under an engine. Locks go away with the process that held them. Linux only.
+
+`SharedBuffers` serves the GPU case: an offloaded trainer's host copy lives in segments that are
+page-locked (cudaHostRegister) in the trainer and, once mapped, in every engine on its GPU, which
+then copies host->device itself (services/weights/staging.py).
 """
 
 from __future__ import annotations
