@@ -207,3 +207,32 @@ def test_a_push_that_fails_at_once_does_not_hold_the_engines_until_their_timeout
         syncer.close()
     finally:
         pool.shutdown()
+
+
+def test_a_killed_trainer_leaves_nothing_in_dev_shm(tmp_path, tiny_model_dir):
+    """Shm segments outlive nobody: the resource tracker unlinks them when the trainer is SIGKILLed."""
+    from services.weights.shm import SHM_DIR
+
+    local = LocalFleet(tmp_path / "logs", env={"OMP_NUM_THREADS": "1"})
+    pool = ThreadPoolExecutor(2)
+    try:
+        local.start("trainer", "trainer-0", [])
+        local.start("rollout", "rollout-0", [])
+        local.wait_ready()
+        trainer, engine = TrainerClient(local.children[0].address), RolloutClient(local.children[1].address)
+        _configure(trainer, [engine], tiny_model_dir)
+        syncer = WeightSyncer(trainer=trainer, engines=[engine], trainer_caps=trainer.capabilities,
+                              engine_caps=[engine.capabilities], forced="shm", exact=False, timeout_s=30.0,
+                              token="", pool=pool)
+        before = set(os.listdir(SHM_DIR))
+        assert syncer.sync({0}).ok == {0}
+        made = [n for n in set(os.listdir(SHM_DIR)) - before if n.startswith("rlfleet-")]
+        assert made, "the sync wrote no shm segment"
+        os.kill(local.children[0].process.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and any((SHM_DIR / n).exists() for n in made):
+            time.sleep(0.1)
+        assert not any((SHM_DIR / n).exists() for n in made)
+    finally:
+        pool.shutdown()
+        local.stop()
