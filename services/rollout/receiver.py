@@ -96,9 +96,7 @@ class _OpenedInTurn(Sequence):
     def __len__(self) -> int:
         return len(self._handles)
 
-    def __getitem__(self, k):
-        if isinstance(k, slice):
-            return [self[i] for i in range(*k.indices(len(self)))]
+    def __getitem__(self, k: int) -> torch.Tensor:
         if not 0 <= k < len(self):
             raise IndexError(k)
         if k not in self._views:

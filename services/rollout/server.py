@@ -167,12 +167,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
 
     def _receive_and_apply(self, engine, request, manifest, read_back: bool) -> int:
         source = request.WhichOneof("source")
-        if source == "shm" and engine.device.type == "cuda":  # a sleeping trainer's host copy: upload it
-            buffers = receiver.receive_host_copy(self._shm, request.shm, manifest, engine.device)
-            copied = engine.apply(manifest, buffers, read_back=read_back, adopt=True)  # fresh buffers: no copy
-            self._shm.release()
-            return copied
-        if source == "shm":  # the trainer's segments become our weights: nothing is copied
+        if source == "shm" and engine.device.type != "cuda":  # the trainer's segments become our weights
             try:
                 buffers = receiver.receive_shm(self._shm, request.shm, manifest)
                 copied = engine.apply(manifest, buffers, read_back=read_back, adopt=True)
@@ -181,22 +176,24 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
                 raise
             self._shm.adopted()
             return copied
-        if source == "cuda_ipc":  # the trainer's GPU memory: copy out of it
+        if source == "shm":  # a sleeping trainer's host copy, uploaded to our GPU: fresh buffers to adopt
+            buffers = receiver.receive_host_copy(self._shm, request.shm, manifest, engine.device)
+            copied = engine.apply(manifest, buffers, read_back=read_back, adopt=True)
+        elif source == "cuda_ipc":  # the trainer's GPU memory: copy out of it
             buffers = receiver.receive_cuda_ipc(request.cuda_ipc, manifest)
             copied = engine.apply(manifest, buffers, read_back=read_back)
-            self._shm.release()  # no longer serving a trainer's segments, if it ever did
-            return copied
-        if source == "trainer":
-            buffers = self._pull(request.trainer, manifest, request.timeout_s or DEFAULT_UPDATE_TIMEOUT_S)
-        else:
-            group = self._groups[request.broadcast.group_name]
-            try:
-                buffers = receiver.receive_broadcast(group, request.broadcast.src_rank, manifest, self._staging)
-            except WeightSyncError:
-                self._groups.pop(group.name).close()  # a broken collective cannot be reused
-                raise
-        copied = engine.apply(manifest, buffers, read_back=read_back, adopt=True)  # our staging: no copy
-        self._staging.adopted(buffers)
+        else:  # into our staging, which the model then adopts
+            if source == "trainer":
+                buffers = self._pull(request.trainer, manifest, request.timeout_s or DEFAULT_UPDATE_TIMEOUT_S)
+            else:
+                group = self._groups[request.broadcast.group_name]
+                try:
+                    buffers = receiver.receive_broadcast(group, request.broadcast.src_rank, manifest, self._staging)
+                except WeightSyncError:
+                    self._groups.pop(group.name).close()  # a broken collective cannot be reused
+                    raise
+            copied = engine.apply(manifest, buffers, read_back=read_back, adopt=True)
+            self._staging.adopted(buffers)
         self._shm.release()  # no longer serving a trainer's segments, if it ever did
         return copied
 

@@ -41,7 +41,6 @@ class WeightPusher:
         self._shm = ShmWriter()
         self._device_snapshot: Snapshot | None = None
         self._shm_snapshot: Snapshot | None = None
-        self._shm_names: list[str] = []
         self._lock = threading.Lock()
 
     # ---- manifests ---------------------------------------------------------------------------
@@ -86,8 +85,7 @@ class WeightPusher:
             names = self._shm.end()
         buckets = tuple(dataclasses.replace(s, fingerprint=f) for s, f in zip(layout, prints))
         manifest = Manifest(version=trainer.weights_version, source=source, buckets=buckets, fingerprint_algo=used)
-        self._shm_snapshot = Snapshot(manifest, segments)
-        self._shm_names = names
+        self._shm_snapshot = Snapshot(manifest, segments, segment_names=names)
         return manifest
 
     def _device_manifest(self, source: str, weights, algo: str, plane: int) -> Manifest:
@@ -102,12 +100,14 @@ class WeightPusher:
             return snap.manifest
         self._device_snapshot = None
         handles: list[weights_pb2.CudaIpcHandle] = []
+        names: list[str] = []
         if isinstance(weights, HostCopy):
             specs = trainer.store.layout
             if plane == CUDA_IPC and not weights.segment_names:
                 buffers, handles = staging.stage_for_ipc(weights.buffers, trainer.device)
             else:  # engines copy a shared host copy themselves; NCCL stages slot by slot while sending
                 buffers = list(weights.buffers)
+                names = list(weights.segment_names) if plane == CUDA_IPC else []
             # Made on the GPU when the copy was captured; otherwise (exact mode) from the host
             # bytes, which every algo reads alike ("fast" gives the same result on CPU and GPU).
             prints = weights.fingerprints.get(used) or [fingerprint(b, used) for b in weights.buffers]
@@ -116,7 +116,6 @@ class WeightPusher:
             prints = [fingerprint(b, used) for b in buffers]
         buckets = tuple(dataclasses.replace(s, fingerprint=f) for s, f in zip(specs, prints))
         manifest = Manifest(version=trainer.weights_version, source=source, buckets=buckets, fingerprint_algo=used)
-        names = list(weights.segment_names) if isinstance(weights, HostCopy) and plane == CUDA_IPC else []
         self._device_snapshot = Snapshot(manifest, buffers, plane=plane, handles=handles, segment_names=names)
         return manifest
 
@@ -184,7 +183,7 @@ class WeightPusher:
                 self.destroy_group(group.name)  # a broken collective cannot be reused
                 raise
         elif request.plane == SHM:
-            names = self._shm_names
+            names = snap.segment_names
         elif request.plane == CUDA_IPC:
             if self.trainer.device.type != "cuda":
                 raise ValueError("plane: cuda_ipc needs a trainer on a CUDA device")

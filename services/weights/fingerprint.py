@@ -136,9 +136,12 @@ def copy_and_fingerprint(dst: torch.Tensor, src: torch.Tensor) -> str:
     """Copy a flat uint8 CPU tensor into another of the same size and return the copy's "xxh3"
     fingerprint, hashing each step right after copying it (from cache, not from memory again).
     Pieces run on every core: about as fast as a plain copy of the same bytes."""
-    if dst.numel() != src.numel() or dst.device.type != "cpu" or src.device.type != "cpu":
-        raise ValueError(f"copy_and_fingerprint: needs two CPU tensors of one size, got {dst.numel()} and {src.numel()}")
-    out, into = host_bytes(dst), host_bytes(src)  # validates contiguity; keeps both alive
+    if not all(t.device.type == "cpu" and t.dtype == torch.uint8 and t.is_contiguous() for t in (dst, src)) \
+            or dst.numel() != src.numel():
+        raise ValueError(
+            f"copy_and_fingerprint: needs two contiguous uint8 CPU tensors of one size, got {dst.numel()} and {src.numel()}"
+        )
+    out = host_bytes(dst)  # what the hash reads
     dst_ptr, src_ptr, nbytes = dst.data_ptr(), src.data_ptr(), len(out)
 
     def piece(k: int) -> int:
@@ -149,7 +152,6 @@ def copy_and_fingerprint(dst: torch.Tensor, src: torch.Tensor) -> str:
             hasher.update(out[start:stop])
         return hasher.intdigest()
 
-    del into
     futures = [_hash_pool().submit(piece, k) for k in range(_num_pieces(nbytes))]
     return _xxh3_tree(nbytes, [f.result() for f in futures])
 

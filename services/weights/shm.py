@@ -208,16 +208,6 @@ class ShmWriter:
         written.unlock()
         return list(written.names)
 
-    def owns(self, buffers: list[torch.Tensor]) -> bool:
-        return any(s is not None and len(s.views) == len(buffers) and all(a is b for a, b in zip(s.views, buffers))
-                   for s in self._sets)
-
-    def names_of(self, buffers: list[torch.Tensor]) -> list[str]:
-        for s in self._sets:
-            if s is not None and len(s.views) == len(buffers) and all(a is b for a, b in zip(s.views, buffers)):
-                return list(s.names)
-        raise ValueError("shm: these buffers are not a segment set of this writer")
-
     def close(self) -> None:
         for k, s in enumerate(self._sets):
             if s is not None:

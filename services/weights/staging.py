@@ -24,6 +24,7 @@ import torch
 
 from services.api import weights_pb2
 from services.weights import cuda_ipc
+from services.weights.fingerprint import fingerprint
 
 
 def stage_and_send(host_buffers: Sequence[torch.Tensor], device: torch.device,
@@ -87,8 +88,6 @@ def upload_and_fingerprint(host_views: Sequence[torch.Tensor], device: torch.dev
     """Copy flat uint8 host buckets (page-locked) into new device buffers on a copy stream, and
     fingerprint each on the current stream as soon as it has landed. Returns both lists; the
     buffers are ready for the current stream."""
-    from services.weights.fingerprint import fingerprint
-
     current = torch.cuda.current_stream(device)
     copier = torch.cuda.Stream(device)
     # Allocated on the current stream, where they live on (as the model's weights): memory the
