@@ -6,7 +6,8 @@ piece digests (little-endian uint64 each). Pieces are independent, so a bucket i
 every core at once (55 GB/s on this 2-core machine against 32 on one core), a copy can hash
 each piece while it is still in cache (`copy_and_fingerprint`), and a receiver can hash the
 pieces that have already arrived while the rest is in flight (`IncrementalFingerprint`).
-Device buckets use "fast" so that nothing crosses PCIe just to be checked.
+Device buckets use "fast" so that nothing crosses PCIe just to be checked; on a GPU with Triton
+it runs in one pass over the bytes (`fast_cuda.py`).
 
 Engines verify every bucket before a new weight version becomes visible, so the check runs on
 each sync and must cost little next to the transfer itself. "fast" runs where the bucket lives
@@ -39,11 +40,12 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 import xxhash
 
+from services.weights import fast_cuda
 from services.weights.buckets import host_bytes
 
 __all__ = [
     "FINGERPRINT_ALGOS", "PIECE_BYTES", "IncrementalFingerprint", "copy_and_fingerprint", "default_algo",
-    "fingerprint", "fingerprint_algo",
+    "fingerprint", "fingerprint_algo", "fingerprints",
 ]
 
 FINGERPRINT_ALGOS = ("fast", "xxh3", "sha256")
@@ -76,6 +78,8 @@ def fingerprint(flat: torch.Tensor, algo: str = "fast") -> str:
             f"fingerprint needs a 1-D uint8 tensor, got {flat.dtype} with shape {list(flat.shape)}"
         )
     if algo == "fast":
+        if fast_cuda.available(flat):
+            return fast_cuda.fingerprints([flat])[0]
         return "fast:" + _fast(flat)
     if algo == "xxh3":
         data = host_bytes(flat.detach().contiguous().cpu())
@@ -84,6 +88,14 @@ def fingerprint(flat: torch.Tensor, algo: str = "fast") -> str:
         # Exact, host-side, for tests and debugging: copies the bytes to the host.
         return "sha256:" + hashlib.sha256(host_bytes(flat.detach().contiguous().cpu())).hexdigest()
     raise ValueError(f"unknown fingerprint algo {algo!r} (known: {', '.join(FINGERPRINT_ALGOS)})")
+
+
+def fingerprints(flats, algo: str = "fast") -> list[str]:
+    """`fingerprint` of each flat uint8 tensor; "fast" on a GPU waits for the device once for all."""
+    flats = list(flats)
+    if algo == "fast" and flats and all(fast_cuda.available(f) for f in flats):
+        return fast_cuda.fingerprints(flats)
+    return [fingerprint(f, algo) for f in flats]
 
 
 def default_algo(device: torch.device | str) -> str:

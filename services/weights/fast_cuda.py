@@ -1,0 +1,132 @@
+"""The "fast" fingerprint on a CUDA device in one pass over the bytes (Triton).
+
+`fingerprint.py` defines "fast" and computes it with plain tensor ops, which on a GPU read the
+bucket, write an int64 copy twice its size and read that back: about five bucket sizes of
+memory traffic. The kernels here read each word once, keep the int64 products in registers and
+write two partial sums per block of rows, so a bucket is fingerprinted at the speed of reading
+it. `copy_and_fingerprint` also stores every word it reads into a second buffer: a device copy
+that fingerprints the bytes it wrote for free (a copy already reads them).
+
+The result is the same, bit for bit, as `fingerprint._fast` on any device (modular sums do not
+depend on reduction order); tests/gpu/test_fast_cuda_gpu.py checks that on odd sizes. Where
+Triton is not installed (the CPU wheels of torch) `available()` is False and callers use the
+tensor-op version.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Sequence
+
+import torch
+
+try:  # Triton comes with torch's CUDA wheels, not with its CPU ones
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - exercised on CPU machines
+    triton = None
+
+__all__ = ["available", "copy_and_fingerprint", "fingerprints"]
+
+_ROWS_PER_PROGRAM = 8  # 8 rows of 1024 int32 words: 32 KiB read per program
+
+
+def available(flat: torch.Tensor) -> bool:
+    """Whether the kernels can fingerprint this flat uint8 tensor."""
+    return (
+        triton is not None
+        and flat.device.type == "cuda"
+        and flat.is_contiguous()
+        and flat.data_ptr() % 16 == 0
+    )
+
+
+if triton is not None:
+
+    @triton.jit
+    def _fast_partials(src, dst, partials, num_rows, row_base, c1, s1, c2, s2,
+                       ROWS: tl.constexpr, WORDS: tl.constexpr, COPY: tl.constexpr):
+        pid = tl.program_id(0)
+        rows = pid * ROWS + tl.arange(0, ROWS)  # [R]
+        cols = tl.arange(0, WORDS)  # [W]
+        in_range = rows[:, None] < num_rows  # [R, 1]
+        offsets = rows[:, None].to(tl.int64) * WORDS + cols[None, :]  # [R, W]
+        x = tl.load(src + offsets, mask=in_range, other=0)  # int32 words
+        if COPY:
+            tl.store(dst + offsets, x, mask=in_range)
+        x = x.to(tl.int64)
+        col_weights = cols.to(tl.int64) * s1 + c1  # [W], every one odd
+        row_sums = tl.sum(x * col_weights[None, :], axis=1)  # [R], wrapping int64
+        row_weights = (rows.to(tl.int64) + row_base) * s2 + c2  # [R]
+        tl.store(partials + 2 * pid, tl.sum(tl.sum(x, axis=1), axis=0))
+        tl.store(partials + 2 * pid + 1, tl.sum(row_sums * row_weights, axis=0))
+
+
+def _launch(src_words: torch.Tensor, dst_words: torch.Tensor | None, row_base: int) -> torch.Tensor:
+    """Partial (s0, s1) sums over whole rows of int32 words: an int64 tensor [2]."""
+    from services.weights.fingerprint import _C1, _C2, _ROW_WORDS, _S1, _S2
+
+    num_rows = src_words.numel() // _ROW_WORDS
+    grid = triton.cdiv(num_rows, _ROWS_PER_PROGRAM)
+    partials = torch.empty(grid, 2, dtype=torch.int64, device=src_words.device)
+    _fast_partials[(grid,)](
+        src_words, dst_words if dst_words is not None else src_words, partials, num_rows, row_base,
+        _C1, _S1, _C2, _S2, ROWS=_ROWS_PER_PROGRAM, WORDS=_ROW_WORDS, COPY=dst_words is not None,
+        num_warps=8,
+    )
+    return partials.sum(dim=0)
+
+
+def _sums(src: torch.Tensor, dst: torch.Tensor | None) -> torch.Tensor:
+    """(s0, s1) of one flat uint8 bucket as an int64 device tensor [2], copying into `dst` if given."""
+    from services.weights.fingerprint import _ROW_WORDS
+
+    row_bytes = 4 * _ROW_WORDS
+    num_full_rows = src.numel() // row_bytes
+    whole = num_full_rows * row_bytes
+    sums = torch.zeros(2, dtype=torch.int64, device=src.device)
+    if num_full_rows:
+        words = src[:whole].view(torch.int32)
+        sums += _launch(words, dst[:whole].view(torch.int32) if dst is not None else None, 0)
+    if whole < src.numel():  # the last, partial row: zero-padded, as the definition says
+        tail = torch.zeros(row_bytes, dtype=torch.uint8, device=src.device)
+        tail[: src.numel() - whole].copy_(src[whole:])
+        if dst is not None:
+            dst[whole:].copy_(src[whole:])
+        sums += _launch(tail.view(torch.int32), None, num_full_rows)
+    return sums
+
+
+def _format(nbytes: int, sums: Sequence[int]) -> str:
+    mask = (1 << 64) - 1
+    return f"fast:{nbytes:016x}{sums[0] & mask:016x}{sums[1] & mask:016x}"
+
+
+def fingerprints(flats: Sequence[torch.Tensor], ready: Sequence[torch.cuda.Event] | None = None) -> list[str]:
+    """The "fast" fingerprints of flat uint8 CUDA tensors, with one device->host sync for all.
+    With `ready`, the current stream waits for ready[k] before reading flats[k] (a copy landing)."""
+    if not flats:
+        return []
+    sums = []
+    for k, flat in enumerate(flats):
+        if not available(flat) or flat.dtype != torch.uint8 or flat.dim() != 1:
+            raise ValueError("fast_cuda: needs contiguous, 16-byte aligned, flat uint8 CUDA tensors")
+        if ready is not None:
+            torch.cuda.current_stream(flat.device).wait_event(ready[k])
+        sums.append(_sums(flat, None))
+    return [_format(flat.numel(), s) for flat, s in zip(flats, torch.stack(sums).tolist())]
+
+
+def copy_and_fingerprint(pairs: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> list[str]:
+    """Copy each flat uint8 CUDA `src` into its `dst` (same size) and return the "fast"
+    fingerprints of what was copied: one read of the source, one write, one host sync in all.
+    `pairs` may be a generator: each copy is queued as its pair is produced."""
+    sums, sizes = [], []
+    for dst, src in pairs:
+        if not (available(src) and available(dst)) or dst.numel() != src.numel() or \
+                src.dtype != torch.uint8 or dst.dtype != torch.uint8 or src.device != dst.device:
+            raise ValueError("fast_cuda: copy needs two flat uint8 CUDA tensors of one size, 16-byte aligned")
+        sums.append(_sums(src, dst))
+        sizes.append(src.numel())
+    if not sums:
+        return []
+    return [_format(n, s) for n, s in zip(sizes, torch.stack(sums).tolist())]
