@@ -9,6 +9,8 @@ from services.api import weights_pb2
 from services.weights.buckets import BucketSpec, Manifest, TensorSpec, pack_bucket, plan_buckets
 from services.weights.errors import ManifestMismatch
 from services.weights.manifest import (
+    ManifestEncoder,
+    ManifestReader,
     expected_layout,
     make_manifest,
     manifest_from_proto,
@@ -154,3 +156,42 @@ def test_empty_model_and_manifest_agree():
     validate_against(empty, {})
     assert manifest_from_proto(manifest_to_proto(empty)) == empty
     assert BucketSpec(0, "float32", (), 0).fingerprint == ""
+
+
+# ---- layouts checked once -----------------------------------------------------------------------
+def _next_version(manifest: Manifest, version: int, seed: int) -> Manifest:
+    """The same layout with new bytes: what a trainer sends after a train step."""
+    g = torch.Generator().manual_seed(seed)
+    flats = [torch.randint(0, 256, (b.nbytes,), dtype=torch.uint8, generator=g) for b in manifest.buckets]
+    return make_manifest(version, manifest.source, [dataclasses.replace(b, fingerprint="") for b in manifest.buckets],
+                         flats, manifest.fingerprint_algo)
+
+
+def test_reader_takes_version_and_fingerprints_of_each_message_for_a_layout_it_checked(manifest):
+    reader = ManifestReader(expected_layout(_named()))
+    assert reader.read(manifest_to_proto(manifest)) == manifest
+    later = _next_version(manifest, 8, seed=1)
+    assert [b.fingerprint for b in later.buckets] != [b.fingerprint for b in manifest.buckets]
+    assert reader.read(manifest_to_proto(later)) == later
+
+
+def test_reader_still_rejects_a_changed_layout_and_a_foreign_fingerprint(manifest):
+    reader = ManifestReader(expected_layout(_named()))
+    reader.read(manifest_to_proto(manifest))
+    reshaped = _edit_tensor(manifest, "norm.weight", shape=(4, 2))
+    with pytest.raises(ManifestMismatch, match="'norm.weight'.*shape"):
+        reader.read(manifest_to_proto(reshaped))
+    foreign = _edit_bucket(manifest, 0, fingerprint="sha256:00")
+    with pytest.raises(ManifestMismatch, match="bucket 0 fingerprint 'sha256:00' is not a 'fast'"):
+        reader.read(manifest_to_proto(foreign))
+    assert reader.read(manifest_to_proto(manifest)) == manifest  # and the good layout still reads
+
+
+def test_encoder_writes_what_manifest_to_proto_writes_across_versions_and_layouts(manifest):
+    encoder = ManifestEncoder()
+    later = _next_version(manifest, 8, seed=1)
+    assert encoder.encode(manifest) == manifest_to_proto(manifest)
+    assert encoder.encode(later) == manifest_to_proto(later)  # from the template of the same layout
+    other = make_manifest(9, "gpu", plan_buckets(_named()[:2]), [pack_bucket(b, dict(_named()))
+                                                                  for b in plan_buckets(_named()[:2])])
+    assert encoder.encode(other) == manifest_to_proto(other)
