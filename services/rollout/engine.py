@@ -23,7 +23,7 @@ from services.weights.apply import load_buckets_into, named_weights
 from services.weights.buckets import Manifest, dtype_name, pack_bucket, parse_dtype, plan_buckets
 from services.weights.errors import WeightSyncError
 from services.weights.fingerprint import fingerprint
-from services.weights.manifest import validate_against
+from services.weights.manifest import ManifestReader, validate_against
 
 
 class EngineUnavailable(RuntimeError):
@@ -79,6 +79,12 @@ class RolloutEngine:
         memory.make_resizable(self._params)
         self._param_sizes: list[int] = []
         self.last_apply_seconds = 0.0  # of the last update: loading verified buckets into the model
+        self._manifests = ManifestReader(self.expected_tensors())
+        # After adopting buffers of its own (`owned`), the model's weights are views of one storage
+        # per bucket: (the buckets' layout, those storages). An update with the same layout then
+        # swaps each storage's memory with its new buffer's, one swap per bucket.
+        self._arranged: tuple[tuple, list[torch.UntypedStorage]] | None = None
+        self.swapped = False  # whether the last `apply` swapped memory (see there)
         self._lock = threading.Lock()
 
     @property
@@ -104,17 +110,34 @@ class RolloutEngine:
         """Raise ManifestMismatch (a ValueError) when the update does not fit this model."""
         validate_against(manifest, self.expected_tensors())
 
-    def apply(self, manifest: Manifest, buffers: list[torch.Tensor], *, read_back: bool = False, adopt: bool = False) -> int:
+    def read_manifest(self, msg) -> Manifest:
+        """A received manifest, converted and validated against this model (ManifestMismatch if
+        it does not fit); a layout already validated is not checked tensor by tensor again."""
+        return self._manifests.read(msg)
+
+    def apply(self, manifest: Manifest, buffers: list[torch.Tensor], *, read_back: bool = False, adopt: bool = False,
+              owned: bool = False) -> int:
         """Copy verified buckets into the model and switch to the manifest's version atomically.
 
         With `read_back` (exact verification) the loaded weights are packed again and compared
         with the manifest, proving the model holds exactly the trainer's bytes. With `adopt` the
-        model takes the verified buffers as its weights instead of copying them."""
+        model takes the verified buffers as its weights instead of copying them.
+
+        `owned` buffers are the caller's own whole storages (one per bucket, e.g. staging). Once
+        the model holds such buffers, a later update of the same layout swaps memory with them:
+        the model's storages take the new bytes and `buffers` are left holding the previous
+        weights, free for the caller to reuse. Returns the bytes loaded; `swapped` tells which."""
         started = time.perf_counter()
         with self._lock:
             if "weights" in self.released:
                 raise EngineStateError("UpdateWeights: weights are released; call ResumeMemory(weights) first")
-            copied = load_buckets_into(self._named, manifest, buffers, adopt=adopt)
+            self.swapped = adopt and owned and self._swap_locked(manifest, buffers)
+            if self.swapped:
+                copied = manifest.total_bytes
+            else:
+                copied = load_buckets_into(self._named, manifest, buffers, adopt=adopt)
+                self._arranged = (_layout(manifest), [b.untyped_storage() for b in buffers]) \
+                    if adopt and owned and all(_whole(b) for b in buffers) else None
             actual = self._fingerprints_locked(manifest.buckets, manifest.fingerprint_algo) if read_back else []
             expected = [b.fingerprint for b in manifest.buckets]
             if read_back and actual != expected:
@@ -125,6 +148,20 @@ class RolloutEngine:
             self.serving, self.last_error = True, ""
             self.last_apply_seconds = time.perf_counter() - started
             return copied
+
+    def _swap_locked(self, manifest: Manifest, buffers: list[torch.Tensor]) -> bool:
+        """Swap the model's bucket storages with `buffers` if the model is laid out as `manifest`."""
+        if self._arranged is None or self._arranged[0] != _layout(manifest):
+            return False
+        storages = self._arranged[1]
+        if len(buffers) != len(storages) or not all(
+            _whole(b) and b.device == self.device and b.untyped_storage().nbytes() == s.nbytes()
+            for b, s in zip(buffers, storages)
+        ):
+            return False
+        for storage, flat in zip(storages, buffers):
+            storage._swap_data_ptr_(flat.untyped_storage())  # noqa: SLF001 (every view of it sees the new bytes)
+        return True
 
     def leave_pool(self, reason: str) -> None:
         with self._lock:
@@ -145,6 +182,7 @@ class RolloutEngine:
         tags = _check_tags(tags)
         with self._lock:
             if "weights" in tags and "weights" not in self.released:
+                self._arranged = None
                 memory.drop_fixed_storage(self._params)  # adopted shm segments are the trainer's
                 self._param_sizes = memory.release(self._params)
                 self._leave_pool_locked("weights were released; waiting for a full weight update")
@@ -163,6 +201,16 @@ class RolloutEngine:
             if "weights" in self.released:
                 raise EngineStateError("GetWeightFingerprints: weights are released")
             return self._fingerprints_locked(plan_buckets(named_weights(self.model), bucket_bytes), algo)
+
+
+def _layout(manifest: Manifest) -> tuple:
+    """What must match for a swap: every bucket's dtype, size and tensors (names, offsets, shapes)."""
+    return tuple((b.dtype, b.nbytes, b.tensors) for b in manifest.buckets)
+
+
+def _whole(flat: torch.Tensor) -> bool:
+    """A flat uint8 tensor that is its storage, all of it."""
+    return flat.storage_offset() == 0 and flat.numel() == flat.untyped_storage().nbytes()
 
 
 def _check_tags(tags: list[str]) -> list[str]:

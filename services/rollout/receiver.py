@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import torch
 
 from services.api import weights_pb2
-from services.weights import cuda_ipc, shm, staging
+from services.weights import cuda_ipc, fast_cuda, shm, staging
 from services.weights.broadcast import WeightGroup
 from services.weights.buckets import Manifest
 from services.weights.fingerprint import IncrementalFingerprint
@@ -37,9 +37,15 @@ class Staging:
             self._sets[free] = [torch.empty(n, dtype=torch.uint8, device=self.device) for n in sizes]
         return self._sets[free]
 
-    def adopted(self, buffers: list[torch.Tensor]) -> None:
-        """The model now holds `buffers` (a set from `buffers()`)."""
-        self._adopted = 0 if buffers is self._sets[0] else 1
+    def adopted(self, buffers: list[torch.Tensor], swapped: bool = False) -> None:
+        """The model now holds `buffers` (a set from `buffers()`), or, `swapped`, their bytes:
+        then the set holds the model's previous weights and is the one to receive into next."""
+        if not swapped:
+            self._adopted = 0 if buffers is self._sets[0] else 1
+
+    def clear(self) -> None:
+        """Free the set the model does not hold (the engine's weights are being released)."""
+        self._sets[1 - self._adopted] = []
 
 
 def receive_broadcast(group: WeightGroup, src: int, manifest: Manifest, staging: Staging) -> list[torch.Tensor]:
@@ -75,13 +81,22 @@ def receive_host_copy(reader: shm.ShmReader, source: weights_pb2.ShmSource, mani
     return buffers
 
 
-def receive_cuda_ipc(source: weights_pb2.CudaIpcSource, manifest: Manifest) -> list[torch.Tensor]:
+def receive_cuda_ipc(source: weights_pb2.CudaIpcSource, manifest: Manifest, staging: Staging) -> list[torch.Tensor]:
+    """Copy the trainer's buckets into staging and verify the copies. With "fast" fingerprints
+    (and Triton) each bucket is fingerprinted by the copy itself, which reads it anyway."""
     handles = sorted(source.handles, key=lambda h: h.bucket)
     if [h.bucket for h in handles] != list(range(len(manifest.buckets))):
         raise ValueError(f"cuda_ipc.handles: expected one handle per bucket 0..{len(manifest.buckets) - 1}")
     views = _OpenedInTurn(handles, manifest)
-    verify_buckets(manifest, views)
-    return list(views)
+    buffers = staging.buffers(manifest)
+    if manifest.fingerprint_algo == "fast" and all(fast_cuda.available(b) for b in buffers):
+        prints = fast_cuda.copy_and_fingerprint((flat, views[k]) for k, flat in enumerate(buffers))
+        verify_buckets(manifest, buffers, computed=prints)
+    else:
+        for k, flat in enumerate(buffers):
+            flat.copy_(views[k])
+        verify_buckets(manifest, buffers)
+    return buffers
 
 
 class _OpenedInTurn(Sequence):

@@ -23,7 +23,6 @@ from services.weights.broadcast import WeightGroup
 from services.weights.errors import InvalidChunk, WeightSyncError
 from services.weights.fingerprint import default_algo
 from services.weights.grpc_stream import StreamReceiver
-from services.weights.manifest import manifest_from_proto
 
 SERVICE_NAME = "rlfleet.v1.Rollout"
 DEFAULT_UPDATE_TIMEOUT_S = 120.0
@@ -134,10 +133,9 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
         with self._update_lock, rpc.abort_on(context, _ERRORS):
             engine = self._require(context)
             started = time.perf_counter()
-            manifest = manifest_from_proto(request.manifest)
+            manifest = engine.read_manifest(request.manifest)
             if request.version != manifest.version:
                 raise ValueError(f"version: {request.version} does not match manifest.version {manifest.version}")
-            engine.validate(manifest)
             if "weights" in engine.released:
                 raise EngineStateError("UpdateWeights: weights are released; call ResumeMemory(weights) first")
             source = request.WhichOneof("source")
@@ -178,13 +176,12 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
             return copied
         if source == "shm":  # a sleeping trainer's host copy, uploaded to our GPU: fresh buffers to adopt
             buffers = receiver.receive_host_copy(self._shm, request.shm, manifest, engine.device)
-            copied = engine.apply(manifest, buffers, read_back=read_back, adopt=True)
-        elif source == "cuda_ipc":  # the trainer's GPU memory: copy out of it
-            buffers = receiver.receive_cuda_ipc(request.cuda_ipc, manifest)
-            copied = engine.apply(manifest, buffers, read_back=read_back)
+            copied = engine.apply(manifest, buffers, read_back=read_back, adopt=True, owned=True)
         else:  # into our staging, which the model then adopts
             if source == "trainer":
                 buffers = self._pull(request.trainer, manifest, request.timeout_s or DEFAULT_UPDATE_TIMEOUT_S)
+            elif source == "cuda_ipc":  # the trainer's GPU memory: copied out of it
+                buffers = receiver.receive_cuda_ipc(request.cuda_ipc, manifest, self._staging)
             else:
                 group = self._groups[request.broadcast.group_name]
                 try:
@@ -192,8 +189,8 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
                 except WeightSyncError:
                     self._groups.pop(group.name).close()  # a broken collective cannot be reused
                     raise
-            copied = engine.apply(manifest, buffers, read_back=read_back, adopt=True)
-            self._staging.adopted(buffers)
+            copied = engine.apply(manifest, buffers, read_back=read_back, adopt=True, owned=True)
+            self._staging.adopted(buffers, swapped=engine.swapped)
         self._shm.release()  # no longer serving a trainer's segments, if it ever did
         return copied
 
@@ -235,6 +232,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
             engine.release_memory(list(request.tags))
             if "weights" in engine.released:
                 self._shm.release()  # the trainer may rewrite segments we served
+                self._staging.clear()
             return rollout_pb2.ReleaseMemoryResponse(status=self._status())
 
     def ResumeMemory(self, request, context):

@@ -1,0 +1,85 @@
+"""An engine taking updates into its own staging: the first adopts the buffers, later ones of the
+same layout swap memory with them. Receiving must never write the weights being served, and a
+released-and-resumed engine must take a full update again."""
+
+from __future__ import annotations
+
+import torch
+
+from services.models.decoder import DecoderLM, init_weights
+from services.rollout.engine import RolloutEngine, RolloutSettings
+from services.rollout.receiver import Staging
+from services.weights.apply import named_weights
+from services.weights.buckets import pack_bucket, plan_buckets
+from services.weights.manifest import make_manifest, manifest_to_proto
+
+BUCKET_BYTES = 64 << 10  # a few buckets for the tiny model
+
+
+def _trainer_weights(engine: RolloutEngine, seed: int) -> dict[str, torch.Tensor]:
+    model = DecoderLM(engine.model_config)
+    init_weights(model, seed=seed)
+    return {name: t.detach().clone() for name, t in named_weights(model)}
+
+
+def _packed(weights: dict[str, torch.Tensor], version: int, bucket_bytes: int = BUCKET_BYTES):
+    buckets = plan_buckets(list(weights.items()), bucket_bytes)
+    flats = [pack_bucket(b, weights) for b in buckets]
+    return make_manifest(version, "gpu", buckets, flats, "xxh3"), flats
+
+
+def _update(engine: RolloutEngine, staging: Staging, weights, version: int, bucket_bytes: int = BUCKET_BYTES):
+    """What UpdateWeights does for a staged plane: read the manifest, receive, apply, hand back."""
+    manifest, flats = _packed(weights, version, bucket_bytes)
+    manifest = engine.read_manifest(manifest_to_proto(manifest))
+    buffers = staging.buffers(manifest)
+    for buffer, flat in zip(buffers, flats):
+        buffer.copy_(flat)
+    engine.apply(manifest, buffers, adopt=True, owned=True)
+    staging.adopted(buffers, swapped=engine.swapped)
+    return buffers, flats
+
+
+def _serves(engine: RolloutEngine, weights: dict[str, torch.Tensor]) -> bool:
+    return all(torch.equal(t, weights[name]) for name, t in named_weights(engine.model))
+
+
+def test_later_updates_swap_memory_and_receiving_never_touches_served_weights(tiny_model_dir):
+    engine = RolloutEngine(RolloutSettings(model_path=str(tiny_model_dir)))
+    staging = Staging(engine.device)
+    w1, w2, w3 = (_trainer_weights(engine, seed) for seed in (1, 2, 3))
+
+    first, _ = _update(engine, staging, w1, 1)
+    assert not engine.swapped and _serves(engine, w1)
+    second, old = _update(engine, staging, w2, 2)
+    assert engine.swapped and _serves(engine, w2) and engine.weight_version == 2
+    # The buffers just received now hold version 1's bytes, and are where the next update lands.
+    assert all(torch.equal(b, f) for b, f in zip(second, _packed(w1, 1)[1]))
+    assert staging.buffers(_packed(w3, 3)[0]) is second
+    for buffer in second:
+        buffer.fill_(0xAB)  # a receive in progress
+    assert _serves(engine, w2)
+    _update(engine, staging, w3, 3)
+    assert engine.swapped and _serves(engine, w3)
+    prompts = [[3, 4, 5]]
+    reference = RolloutEngine(RolloutSettings(model_path=str(tiny_model_dir)))
+    _update(reference, Staging(reference.device), w3, 3)
+    from services.rollout.torch_engine import Sampling
+    greedy = Sampling(temperature=0.0, max_new_tokens=6)
+    assert engine.generate(prompts, greedy)[0][0].output_ids == reference.generate(prompts, greedy)[0][0].output_ids
+
+
+def test_an_update_of_another_layout_and_a_released_engine_take_the_full_path(tiny_model_dir):
+    engine = RolloutEngine(RolloutSettings(model_path=str(tiny_model_dir)))
+    staging = Staging(engine.device)
+    w1, w2, w3 = (_trainer_weights(engine, seed) for seed in (4, 5, 6))
+    _update(engine, staging, w1, 1)
+    _update(engine, staging, w2, 2, bucket_bytes=BUCKET_BYTES // 2)  # other buckets: adopted tensor by tensor
+    assert not engine.swapped and _serves(engine, w2)
+    engine.release_memory(["weights"])
+    staging.clear()
+    engine.resume_memory(["weights"])
+    _update(engine, staging, w3, 3, bucket_bytes=BUCKET_BYTES // 2)
+    assert not engine.swapped and _serves(engine, w3) and engine.serving
+    _update(engine, staging, w1, 4, bucket_bytes=BUCKET_BYTES // 2)
+    assert engine.swapped and _serves(engine, w1)
