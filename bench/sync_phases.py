@@ -45,6 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--syncs", type=int, default=4)
     parser.add_argument("--planes", default="grpc_stream,shm,broadcast")
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--log-lines", type=int, default=12, help="how much of each service's log to print")
     args = parser.parse_args(argv)
     phases: list[str] = []
     for cls, names in TIMED.items():
@@ -71,8 +72,9 @@ def main(argv: list[str] | None = None) -> int:
                     failed = f" FAILED {result.failures}" if result.failures else ""
                     print(f"{name} sync {i}: {total:.1f} ms ({', '.join(phases)}){failed}", flush=True)
                 syncer.close()
-            print("engine log (the last 12 lines):", flush=True)
-            print("".join(fleet.children[1].log_path.read_text().splitlines(keepends=True)[-12:]), flush=True)
+            for child in fleet.children:
+                print(f"{child.role} log (the last {args.log_lines} lines):", flush=True)
+                print(child.log_tail(args.log_lines), flush=True)
         pool.shutdown()
     return 0
 

@@ -283,16 +283,18 @@ class PushWeightsRequest(_message.Message):
     def __init__(self, plane: _Optional[_Union[_weights_pb2.WeightPlane, str]] = ..., version: _Optional[int] = ..., broadcast: _Optional[_Union[_weights_pb2.BroadcastSource, _Mapping]] = ..., request_id: _Optional[str] = ..., current: _Optional[bool] = ..., fingerprint_algo: _Optional[str] = ...) -> None: ...
 
 class PushWeightsResponse(_message.Message):
-    __slots__ = ("manifest", "seconds", "shm_segments", "cuda_ipc_handles")
+    __slots__ = ("manifest", "seconds", "shm_segments", "cuda_ipc_handles", "release_required")
     MANIFEST_FIELD_NUMBER: _ClassVar[int]
     SECONDS_FIELD_NUMBER: _ClassVar[int]
     SHM_SEGMENTS_FIELD_NUMBER: _ClassVar[int]
     CUDA_IPC_HANDLES_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_REQUIRED_FIELD_NUMBER: _ClassVar[int]
     manifest: _weights_pb2.WeightManifest
     seconds: float
     shm_segments: _containers.RepeatedScalarFieldContainer[str]
     cuda_ipc_handles: _containers.RepeatedCompositeFieldContainer[_weights_pb2.CudaIpcHandle]
-    def __init__(self, manifest: _Optional[_Union[_weights_pb2.WeightManifest, _Mapping]] = ..., seconds: _Optional[float] = ..., shm_segments: _Optional[_Iterable[str]] = ..., cuda_ipc_handles: _Optional[_Iterable[_Union[_weights_pb2.CudaIpcHandle, _Mapping]]] = ...) -> None: ...
+    release_required: bool
+    def __init__(self, manifest: _Optional[_Union[_weights_pb2.WeightManifest, _Mapping]] = ..., seconds: _Optional[float] = ..., shm_segments: _Optional[_Iterable[str]] = ..., cuda_ipc_handles: _Optional[_Iterable[_Union[_weights_pb2.CudaIpcHandle, _Mapping]]] = ..., release_required: _Optional[bool] = ...) -> None: ...
 
 class ReleaseWeightsRequest(_message.Message):
     __slots__ = ("version",)

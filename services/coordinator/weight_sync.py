@@ -130,7 +130,8 @@ class WeightSyncer:
         try:
             return self._update_all(members, reply.manifest, cuda_ipc=weights_pb2.CudaIpcSource(handles=reply.cuda_ipc_handles))
         finally:
-            self.trainer.release_weights(reply.manifest.version)
+            if reply.release_required:  # staged copies, not the live weights: free them now
+                self.trainer.release_weights(reply.manifest.version)
 
     def _sync_broadcast(self, members) -> SyncResult:
         # A cached group is used as it is: a member that died or stalls since fails the collective

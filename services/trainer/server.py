@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 
 import grpc
 
@@ -20,7 +21,7 @@ from services.trainer.weight_push import WeightPusher
 from services.weights import capabilities
 from services.weights.grpc_stream import DEFAULT_CHUNK_BYTES, iter_chunks
 from services.weights.errors import WeightSyncError
-from services.weights.manifest import manifest_to_proto
+from services.weights.manifest import ManifestEncoder
 
 SERVICE_NAME = "rlfleet.v1.Trainer"
 _ERRORS = {
@@ -105,6 +106,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         self._lock = threading.Lock()
         self._trainer: TorchTrainer | None = None
         self._pusher: WeightPusher | None = None
+        self._manifests = ManifestEncoder()  # under self._lock
 
     @contextlib.contextmanager
     def _mutating(self):
@@ -194,7 +196,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         with self._lock, rpc.abort_on(context, _ERRORS):
             self._require(context)
             manifest = self._pusher.manifest(request.plane, request.fingerprint_algo)
-            return trainer_pb2.GetWeightManifestResponse(manifest=manifest_to_proto(manifest))
+            return trainer_pb2.GetWeightManifestResponse(manifest=self._manifests.encode(manifest))
 
     def GetWeights(self, request, context):
         with self._lock:
@@ -231,12 +233,19 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
             return weights_pb2.DestroyWeightUpdateGroupResponse(success=found, message="" if found else "no such group")
 
     def PushWeights(self, request, context):
+        started = time.perf_counter()
         with self._lock, rpc.abort_on(context, _ERRORS):
             self._require(context)
-            manifest, names, handles, seconds = self._pusher.push(request)
-            return trainer_pb2.PushWeightsResponse(
-                manifest=manifest_to_proto(manifest), seconds=seconds, shm_segments=names, cuda_ipc_handles=handles
+            manifest, names, handles, staged, seconds = self._pusher.push(request)
+            reply = trainer_pb2.PushWeightsResponse(
+                manifest=self._manifests.encode(manifest), seconds=seconds, shm_segments=names,
+                cuda_ipc_handles=handles, release_required=staged,
             )
+            log.info("pushed weights version %d over %s: %.3fs (manifest %.3fs, sending %.3fs), reply %.3fs",
+                     manifest.version, weights_pb2.WeightPlane.Name(request.plane), seconds,
+                     self._pusher.last_manifest_seconds, seconds - self._pusher.last_manifest_seconds,
+                     time.perf_counter() - started)
+            return reply
 
     def ReleaseWeights(self, request, context):
         with self._lock, rpc.abort_on(context, _ERRORS):

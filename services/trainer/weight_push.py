@@ -22,7 +22,7 @@ from services.weights import cuda_ipc, staging
 from services.weights.broadcast import WeightGroup, free_port
 from services.weights.buckets import Manifest
 from services.weights.errors import WeightSyncError
-from services.weights.fingerprint import copy_and_fingerprint, default_algo, fingerprint
+from services.weights.fingerprint import copy_and_fingerprint, default_algo, fingerprint, fingerprints
 from services.weights.shm import ShmWriter
 
 GRPC_STREAM, BROADCAST, CUDA_IPC, SHM = (
@@ -42,6 +42,7 @@ class WeightPusher:
         self._device_snapshot: Snapshot | None = None
         self._shm_snapshot: Snapshot | None = None
         self._lock = threading.Lock()
+        self.last_manifest_seconds = 0.0  # of the last push: making the manifest (fingerprints included)
 
     # ---- manifests ---------------------------------------------------------------------------
     def _on_device(self, plane: int) -> bool:
@@ -113,7 +114,7 @@ class WeightPusher:
             prints = weights.fingerprints.get(used) or [fingerprint(b, used) for b in weights.buffers]
         else:
             specs, buffers = trainer.layout, trainer.bucket_views
-            prints = [fingerprint(b, used) for b in buffers]
+            prints = fingerprints(buffers, used)
         buckets = tuple(dataclasses.replace(s, fingerprint=f) for s, f in zip(specs, prints))
         manifest = Manifest(version=trainer.weights_version, source=source, buckets=buckets, fingerprint_algo=used)
         self._device_snapshot = Snapshot(manifest, buffers, plane=plane, handles=handles, segment_names=names)
@@ -160,15 +161,18 @@ class WeightPusher:
         return group is not None
 
     # ---- push --------------------------------------------------------------------------------
-    def push(self, request) -> tuple[Manifest, list[str], list[weights_pb2.CudaIpcHandle], float]:
+    def push(self, request) -> tuple[Manifest, list[str], list[weights_pb2.CudaIpcHandle], bool, float]:
+        """Send or expose `request.version` (or the current weights): the manifest, shm segment
+        names, CUDA IPC handles, whether those handles need ReleaseWeights, and the seconds taken."""
         started = time.perf_counter()
         version = request.version
         if request.current:  # the current weights, manifest and push in one call
             if request.plane == BROADCAST:
                 raise ValueError("current: a broadcast needs GetWeightManifest first (engines receive it before the push)")
             version = self.manifest(request.plane, request.fingerprint_algo).version
+        self.last_manifest_seconds = time.perf_counter() - started
         snap = self.snapshot(version, request.plane)
-        names, handles = [], []
+        names, handles, staged = [], [], False
         if request.plane == BROADCAST:
             group = self.groups.get(request.broadcast.group_name or "weight_update_group")
             if group is None:
@@ -190,13 +194,13 @@ class WeightPusher:
             if snap.segment_names:  # the host copy in shared memory: engines copy it to their GPU
                 names = snap.segment_names
             elif snap.handles:  # staged from the host copy: each handle carries its copy's event
-                handles = snap.handles
+                handles, staged = snap.handles, True
             else:  # live weights, re-exported each sync (the export event dates from the first one)
                 torch.cuda.synchronize(self.trainer.device)
                 handles = [cuda_ipc.export(i, flat) for i, flat in enumerate(snap.buffers)]
         else:
             raise ValueError(f"plane: {weights_pb2.WeightPlane.Name(request.plane)} is not pushed (engines pull grpc_stream)")
-        return snap.manifest, names, handles, time.perf_counter() - started
+        return snap.manifest, names, handles, staged, time.perf_counter() - started
 
     def release(self) -> None:
         """Drop device staging (IPC buffers) once every engine has copied."""
