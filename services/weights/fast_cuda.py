@@ -28,6 +28,7 @@ except ImportError:  # pragma: no cover - exercised on CPU machines
 __all__ = ["available", "copy_and_fingerprint", "fingerprints"]
 
 _ROWS_PER_PROGRAM = 8  # 8 rows of 1024 int32 words: 32 KiB read per program
+_NUM_WARPS = 8
 
 
 def available(flat: torch.Tensor) -> bool:
@@ -71,7 +72,7 @@ def _launch(src_words: torch.Tensor, dst_words: torch.Tensor | None, row_base: i
     _fast_partials[(grid,)](
         src_words, dst_words if dst_words is not None else src_words, partials, num_rows, row_base,
         _C1, _S1, _C2, _S2, ROWS=_ROWS_PER_PROGRAM, WORDS=_ROW_WORDS, COPY=dst_words is not None,
-        num_warps=8,
+        num_warps=_NUM_WARPS,
     )
     return partials.sum(dim=0)
 
