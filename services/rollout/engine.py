@@ -155,7 +155,7 @@ class RolloutEngine:
             return False
         storages = self._arranged[1]
         if len(buffers) != len(storages) or not all(
-            _whole(b) and b.device == self.device and b.untyped_storage().nbytes() == s.nbytes()
+            _whole(b) and b.untyped_storage().device == s.device and b.untyped_storage().nbytes() == s.nbytes()
             for b, s in zip(buffers, storages)
         ):
             return False

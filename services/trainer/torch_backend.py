@@ -342,6 +342,8 @@ class TorchTrainer:
             with torch.no_grad():
                 for p, m in zip(self.params, self.master):
                     p.copy_(m)
+        if self.device.type == "cuda":  # the step is done when its kernels are: its time, and any error, are this call's
+            torch.cuda.synchronize(self.device)
         self.step += 1
         self.weights_version += 1
         self._device_holds = (ACTOR, self.weights_version)

@@ -41,7 +41,7 @@ def _update(engine: RolloutEngine, staging: Staging, weights, version: int, buck
 
 
 def _serves(engine: RolloutEngine, weights: dict[str, torch.Tensor]) -> bool:
-    return all(torch.equal(t, weights[name]) for name, t in named_weights(engine.model))
+    return all(torch.equal(t.cpu(), weights[name]) for name, t in named_weights(engine.model))
 
 
 def test_later_updates_swap_memory_and_receiving_never_touches_served_weights(tiny_model_dir):
