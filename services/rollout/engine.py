@@ -19,7 +19,7 @@ from services.models import load_hf_dir, load_tokenizer, memory
 from services.models.checkpoint import checkpoint_step, load_config
 from services.models.decoder import DecoderLM, init_weights
 from services.rollout.torch_engine import Generation, Sampling, generate
-from services.weights.apply import load_buckets_into, named_weights
+from services.weights.apply import adoption_plan, load_buckets_into, named_weights
 from services.weights.buckets import Manifest, dtype_name, pack_bucket, parse_dtype, plan_buckets
 from services.weights.errors import WeightSyncError
 from services.weights.fingerprint import fingerprint
@@ -35,6 +35,7 @@ class EngineStateError(RuntimeError):
 
 
 MEMORY_TAGS = ("weights", "kv_cache")
+_CAN_SWAP = hasattr(torch.UntypedStorage, "_swap_data_ptr_")  # torch >= 2.13
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -85,6 +86,7 @@ class RolloutEngine:
         # swaps each storage's memory with its new buffer's, one swap per bucket.
         self._arranged: tuple[tuple, list[torch.UntypedStorage]] | None = None
         self.swapped = False  # whether the last `apply` swapped memory (see there)
+        self._plans: list[tuple[tuple, list]] = []  # adoption plans of owned buffer sets, newest first
         self._lock = threading.Lock()
 
     @property
@@ -126,7 +128,9 @@ class RolloutEngine:
         `owned` buffers are the caller's own whole storages (one per bucket, e.g. staging). Once
         the model holds such buffers, a later update of the same layout swaps memory with them:
         the model's storages take the new bytes and `buffers` are left holding the previous
-        weights, free for the caller to reuse. Returns the bytes loaded; `swapped` tells which."""
+        weights, free for the caller to reuse. Returns the bytes loaded; `swapped` tells which.
+        (Swapping needs torch >= 2.13; before that, owned buffers are adopted tensor by tensor
+        with the views made once per buffer set.)"""
         started = time.perf_counter()
         with self._lock:
             if "weights" in self.released:
@@ -135,7 +139,8 @@ class RolloutEngine:
             if self.swapped:
                 copied = manifest.total_bytes
             else:
-                copied = load_buckets_into(self._named, manifest, buffers, adopt=adopt)
+                plan = self._plan_locked(manifest, buffers) if adopt and owned else None
+                copied = load_buckets_into(self._named, manifest, buffers, adopt=adopt, plan=plan)
                 self._arranged = (_layout(manifest), [b.untyped_storage() for b in buffers]) \
                     if adopt and owned and all(_whole(b) for b in buffers) else None
             actual = self._fingerprints_locked(manifest.buckets, manifest.fingerprint_algo) if read_back else []
@@ -149,9 +154,19 @@ class RolloutEngine:
             self.last_apply_seconds = time.perf_counter() - started
             return copied
 
+    def _plan_locked(self, manifest: Manifest, buffers: list[torch.Tensor]) -> list:
+        """The adoption plan for owned buffers, kept for the last two buffer sets (staging's two)."""
+        key = (_layout(manifest), tuple(b.data_ptr() for b in buffers))
+        for cached_key, plan in self._plans:
+            if cached_key == key:  # the cached views keep those storages alive: same pointers, same storages
+                return plan
+        plan = adoption_plan(self._named, manifest, buffers)
+        self._plans = [(key, plan)] + self._plans[:1]
+        return plan
+
     def _swap_locked(self, manifest: Manifest, buffers: list[torch.Tensor]) -> bool:
         """Swap the model's bucket storages with `buffers` if the model is laid out as `manifest`."""
-        if self._arranged is None or self._arranged[0] != _layout(manifest):
+        if not _CAN_SWAP or self._arranged is None or self._arranged[0] != _layout(manifest):
             return False
         storages = self._arranged[1]
         if len(buffers) != len(storages) or not all(
@@ -182,7 +197,7 @@ class RolloutEngine:
         tags = _check_tags(tags)
         with self._lock:
             if "weights" in tags and "weights" not in self.released:
-                self._arranged = None
+                self._arranged, self._plans = None, []
                 memory.drop_fixed_storage(self._params)  # adopted shm segments are the trainer's
                 self._param_sizes = memory.release(self._params)
                 self._leave_pool_locked("weights were released; waiting for a full weight update")

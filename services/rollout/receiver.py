@@ -68,12 +68,14 @@ def receive_shm(reader: shm.ShmReader, source: weights_pb2.ShmSource, manifest: 
 
 
 def receive_host_copy(reader: shm.ShmReader, source: weights_pb2.ShmSource, manifest: Manifest,
-                      device: torch.device) -> list[torch.Tensor]:
-    """An offloaded trainer's host copy, in shared memory, copied to this engine's GPU and
-    verified there (the mappings stay page-locked from sync to sync)."""
+                      into: Staging) -> list[torch.Tensor]:
+    """An offloaded trainer's host copy, in shared memory, copied into this engine's staging on
+    its GPU and verified there (the mappings stay page-locked from sync to sync)."""
+    device = into.device
     views = reader.open(list(source.segment_names), manifest, pinned=True)
     try:
-        buffers, prints = staging.upload_and_fingerprint(views, device, manifest.fingerprint_algo)
+        buffers, prints = staging.upload_and_fingerprint(views, device, manifest.fingerprint_algo,
+                                                         out=into.buffers(manifest))
         torch.cuda.current_stream(device).synchronize()  # the host pages may be rewritten once we return
     finally:
         reader.copied()

@@ -174,23 +174,22 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
                 raise
             self._shm.adopted()
             return copied
-        if source == "shm":  # a sleeping trainer's host copy, uploaded to our GPU: fresh buffers to adopt
-            buffers = receiver.receive_host_copy(self._shm, request.shm, manifest, engine.device)
-            copied = engine.apply(manifest, buffers, read_back=read_back, adopt=True, owned=True)
-        else:  # into our staging, which the model then adopts
-            if source == "trainer":
-                buffers = self._pull(request.trainer, manifest, request.timeout_s or DEFAULT_UPDATE_TIMEOUT_S)
-            elif source == "cuda_ipc":  # the trainer's GPU memory: copied out of it
-                buffers = receiver.receive_cuda_ipc(request.cuda_ipc, manifest, self._staging)
-            else:
-                group = self._groups[request.broadcast.group_name]
-                try:
-                    buffers = receiver.receive_broadcast(group, request.broadcast.src_rank, manifest, self._staging)
-                except WeightSyncError:
-                    self._groups.pop(group.name).close()  # a broken collective cannot be reused
-                    raise
-            copied = engine.apply(manifest, buffers, read_back=read_back, adopt=True, owned=True)
-            self._staging.adopted(buffers, swapped=engine.swapped)
+        # Everything else lands in our staging, which the model then adopts.
+        if source == "shm":  # a sleeping trainer's host copy, uploaded to our GPU
+            buffers = receiver.receive_host_copy(self._shm, request.shm, manifest, self._staging)
+        elif source == "trainer":
+            buffers = self._pull(request.trainer, manifest, request.timeout_s or DEFAULT_UPDATE_TIMEOUT_S)
+        elif source == "cuda_ipc":  # the trainer's GPU memory: copied out of it
+            buffers = receiver.receive_cuda_ipc(request.cuda_ipc, manifest, self._staging)
+        else:
+            group = self._groups[request.broadcast.group_name]
+            try:
+                buffers = receiver.receive_broadcast(group, request.broadcast.src_rank, manifest, self._staging)
+            except WeightSyncError:
+                self._groups.pop(group.name).close()  # a broken collective cannot be reused
+                raise
+        copied = engine.apply(manifest, buffers, read_back=read_back, adopt=True, owned=True)
+        self._staging.adopted(buffers, swapped=engine.swapped)
         self._shm.release()  # no longer serving a trainer's segments, if it ever did
         return copied
 

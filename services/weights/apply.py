@@ -16,7 +16,7 @@ import torch
 from services.weights.buckets import Manifest, memcpy, parse_dtype, unpack_bucket
 from services.weights.errors import ManifestMismatch
 
-__all__ = ["load_buckets_into", "named_weights"]
+__all__ = ["adoption_plan", "load_buckets_into", "named_weights"]
 
 
 def named_weights(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
@@ -35,43 +35,52 @@ def named_weights(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
     return named
 
 
+def adoption_plan(
+    model_params: Mapping[str, torch.Tensor], manifest: Manifest, buffers: Sequence[torch.Tensor]
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(model tensor, its view in `buffers`) for every tensor of the manifest, after checking that
+    each has a target of the same dtype and shape: nothing is written until all of them pass."""
+    if len(buffers) != len(manifest.buckets):
+        raise ManifestMismatch(f"{len(manifest.buckets)} buckets but {len(buffers)} buffers")
+    plan: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for bucket, flat in zip(manifest.buckets, buffers):
+        dtype = parse_dtype(bucket.dtype)
+        for ts in bucket.tensors:
+            target = model_params.get(ts.name)
+            if target is None:
+                raise ManifestMismatch(f"tensor {ts.name!r} (bucket {bucket.index}) is not in the model")
+            if target.dtype != dtype or tuple(target.shape) != ts.shape:
+                held = f"{str(target.dtype).removeprefix('torch.')}{list(target.shape)}"
+                raise ManifestMismatch(
+                    f"tensor {ts.name!r} (bucket {bucket.index}) is {bucket.dtype}{list(ts.shape)}, the model holds {held}"
+                )
+        try:
+            unpacked = unpack_bucket(bucket, flat)
+        except ValueError as e:
+            raise ManifestMismatch(str(e)) from e
+        plan.extend((model_params[ts.name], unpacked[ts.name]) for ts in bucket.tensors)
+    return plan
+
+
 def load_buckets_into(
     model_params: Mapping[str, torch.Tensor],
     manifest: Manifest,
     buffers: Sequence[torch.Tensor],
     *,
     adopt: bool = False,
+    plan: Sequence[tuple[torch.Tensor, torch.Tensor]] | None = None,
 ) -> int:
     """Copy every tensor of the verified `buffers` (one flat uint8 per bucket) into the
     same-named entry of `model_params`; returns the bytes loaded.
 
     With `adopt` nothing is copied: each tensor is re-pointed at its slice of the buffers, which
     from then on belong to the model (the caller must not reuse them while the model does).
+    `plan` is `adoption_plan(model_params, manifest, buffers)` made earlier, if the caller kept it.
 
     Tensors of the model that the manifest does not name are left alone: whether the manifest
     must cover the whole model is `validate_against`'s decision.
     """
-    if len(buffers) != len(manifest.buckets):
-        raise ManifestMismatch(f"{len(manifest.buckets)} buckets but {len(buffers)} buffers")
-    views: list[tuple[torch.Tensor, torch.Tensor]] = []  # (target, source view)
-    for bucket, flat in zip(manifest.buckets, buffers):
-        dtype = parse_dtype(bucket.dtype)
-        for ts in bucket.tensors:
-            where = f"tensor {ts.name!r} (bucket {bucket.index})"
-            target = model_params.get(ts.name)
-            if target is None:
-                raise ManifestMismatch(f"{where} is not in the model")
-            if target.dtype != dtype or tuple(target.shape) != ts.shape:
-                held = f"{str(target.dtype).removeprefix('torch.')}{list(target.shape)}"
-                raise ManifestMismatch(
-                    f"{where} is {bucket.dtype}{list(ts.shape)}, the model holds {held}"
-                )
-        try:
-            unpacked = unpack_bucket(bucket, flat)
-        except ValueError as e:
-            raise ManifestMismatch(str(e)) from e
-        views.extend((model_params[ts.name], unpacked[ts.name]) for ts in bucket.tensors)
-
+    views = plan if plan is not None else adoption_plan(model_params, manifest, buffers)
     num_bytes = 0
     with torch.no_grad():
         for target, source in views:

@@ -83,17 +83,19 @@ def stage_for_ipc(host_buffers: Sequence[torch.Tensor], device: torch.device
     return buffers, handles
 
 
-def upload_and_fingerprint(host_views: Sequence[torch.Tensor], device: torch.device, algo: str
-                           ) -> tuple[list[torch.Tensor], list[str]]:
-    """Copy flat uint8 host buckets (page-locked) into new device buffers on a copy stream, and
-    fingerprint each on the current stream as soon as it has landed. Returns both lists; the
-    buffers are ready for the current stream."""
+def upload_and_fingerprint(host_views: Sequence[torch.Tensor], device: torch.device, algo: str,
+                           out: Sequence[torch.Tensor] | None = None) -> tuple[list[torch.Tensor], list[str]]:
+    """Copy flat uint8 host buckets (page-locked) into device buffers (`out`, or new ones) on a
+    copy stream, and fingerprint each on the current stream as soon as it has landed. Returns
+    both lists; the buffers are ready for the current stream."""
     current = torch.cuda.current_stream(device)
     copier = torch.cuda.Stream(device)
     # Allocated on the current stream, where they live on (as the model's weights): memory the
     # caching allocator hands out for one stream is only reused on that stream, and a stream made
     # per sync would never get it back.
-    buffers = [torch.empty(host.numel(), dtype=torch.uint8, device=device) for host in host_views]
+    buffers = list(out) if out is not None else [
+        torch.empty(host.numel(), dtype=torch.uint8, device=device) for host in host_views
+    ]
     copier.wait_stream(current)
     landed = []
     with torch.cuda.stream(copier):

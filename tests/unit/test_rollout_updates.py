@@ -4,9 +4,11 @@ released-and-resumed engine must take a full update again."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from services.models.decoder import DecoderLM, init_weights
+from services.rollout import engine as engine_module
 from services.rollout.engine import RolloutEngine, RolloutSettings
 from services.rollout.receiver import Staging
 from services.weights.apply import named_weights
@@ -44,7 +46,9 @@ def _serves(engine: RolloutEngine, weights: dict[str, torch.Tensor]) -> bool:
     return all(torch.equal(t.cpu(), weights[name]) for name, t in named_weights(engine.model))
 
 
-def test_later_updates_swap_memory_and_receiving_never_touches_served_weights(tiny_model_dir):
+@pytest.mark.parametrize("can_swap", [True, False], ids=["swap", "adopt-per-tensor"])
+def test_later_updates_swap_memory_and_receiving_never_touches_served_weights(tiny_model_dir, monkeypatch, can_swap):
+    monkeypatch.setattr(engine_module, "_CAN_SWAP", can_swap and engine_module._CAN_SWAP)  # torch < 2.13 cannot
     engine = RolloutEngine(RolloutSettings(model_path=str(tiny_model_dir)))
     staging = Staging(engine.device)
     w1, w2, w3 = (_trainer_weights(engine, seed) for seed in (1, 2, 3))
@@ -52,15 +56,18 @@ def test_later_updates_swap_memory_and_receiving_never_touches_served_weights(ti
     first, _ = _update(engine, staging, w1, 1)
     assert not engine.swapped and _serves(engine, w1)
     second, old = _update(engine, staging, w2, 2)
-    assert engine.swapped and _serves(engine, w2) and engine.weight_version == 2
-    # The buffers just received now hold version 1's bytes, and are where the next update lands.
-    assert all(torch.equal(b, f) for b, f in zip(second, _packed(w1, 1)[1]))
-    assert staging.buffers(_packed(w3, 3)[0]) is second
-    for buffer in second:
+    assert engine.swapped == engine_module._CAN_SWAP and _serves(engine, w2) and engine.weight_version == 2
+    if engine.swapped:  # the buffers just received now hold version 1's bytes, and take the next update
+        assert all(torch.equal(b, f) for b, f in zip(second, _packed(w1, 1)[1]))
+    receiving = staging.buffers(_packed(w3, 3)[0])
+    assert receiving is (second if engine.swapped else first)
+    for buffer in receiving:
         buffer.fill_(0xAB)  # a receive in progress
     assert _serves(engine, w2)
     _update(engine, staging, w3, 3)
-    assert engine.swapped and _serves(engine, w3)
+    assert engine.swapped == engine_module._CAN_SWAP and _serves(engine, w3)
+    _update(engine, staging, w1, 4)  # back into the first set: per tensor, from the plan kept for it
+    assert _serves(engine, w1)
     prompts = [[3, 4, 5]]
     reference = RolloutEngine(RolloutSettings(model_path=str(tiny_model_dir)))
     _update(reference, Staging(reference.device), w3, 3)
@@ -82,4 +89,4 @@ def test_an_update_of_another_layout_and_a_released_engine_take_the_full_path(ti
     _update(engine, staging, w3, 3, bucket_bytes=BUCKET_BYTES // 2)
     assert not engine.swapped and _serves(engine, w3) and engine.serving
     _update(engine, staging, w1, 4, bucket_bytes=BUCKET_BYTES // 2)
-    assert engine.swapped and _serves(engine, w1)
+    assert engine.swapped == engine_module._CAN_SWAP and _serves(engine, w1)
