@@ -23,7 +23,7 @@ from services.weights.apply import adoption_plan, load_buckets_into, named_weigh
 from services.weights.buckets import Manifest, dtype_name, pack_bucket, parse_dtype, plan_buckets
 from services.weights.errors import WeightSyncError
 from services.weights.fingerprint import fingerprint
-from services.weights.manifest import ManifestReader, validate_against
+from services.weights.manifest import ManifestReader
 
 
 class EngineUnavailable(RuntimeError):
@@ -108,10 +108,6 @@ class RolloutEngine:
     def expected_tensors(self) -> dict[str, tuple[str, tuple[int, ...]]]:
         return {name: (dtype_name(t.dtype), tuple(t.shape)) for name, t in self._named.items()}
 
-    def validate(self, manifest: Manifest) -> None:
-        """Raise ManifestMismatch (a ValueError) when the update does not fit this model."""
-        validate_against(manifest, self.expected_tensors())
-
     def read_manifest(self, msg) -> Manifest:
         """A received manifest, converted and validated against this model (ManifestMismatch if
         it does not fit); a layout already validated is not checked tensor by tensor again."""
@@ -135,14 +131,15 @@ class RolloutEngine:
         with self._lock:
             if "weights" in self.released:
                 raise EngineStateError("UpdateWeights: weights are released; call ResumeMemory(weights) first")
-            self.swapped = adopt and owned and self._swap_locked(manifest, buffers)
+            layout = _layout(manifest) if adopt and owned else None
+            self.swapped = layout is not None and self._swap_locked(layout, buffers)
             if self.swapped:
                 copied = manifest.total_bytes
             else:
-                plan = self._plan_locked(manifest, buffers) if adopt and owned else None
+                plan = self._plan_locked(layout, manifest, buffers) if layout is not None else None
                 copied = load_buckets_into(self._named, manifest, buffers, adopt=adopt, plan=plan)
-                self._arranged = (_layout(manifest), [b.untyped_storage() for b in buffers]) \
-                    if adopt and owned and all(_whole(b) for b in buffers) else None
+                self._arranged = (layout, [b.untyped_storage() for b in buffers]) \
+                    if layout is not None and all(_whole(b) for b in buffers) else None
             actual = self._fingerprints_locked(manifest.buckets, manifest.fingerprint_algo) if read_back else []
             expected = [b.fingerprint for b in manifest.buckets]
             if read_back and actual != expected:
@@ -154,9 +151,9 @@ class RolloutEngine:
             self.last_apply_seconds = time.perf_counter() - started
             return copied
 
-    def _plan_locked(self, manifest: Manifest, buffers: list[torch.Tensor]) -> list:
+    def _plan_locked(self, layout: tuple, manifest: Manifest, buffers: list[torch.Tensor]) -> list:
         """The adoption plan for owned buffers, kept for the last two buffer sets (staging's two)."""
-        key = (_layout(manifest), tuple(b.data_ptr() for b in buffers))
+        key = (layout, tuple(b.data_ptr() for b in buffers))
         for cached_key, plan in self._plans:
             if cached_key == key:  # the cached views keep those storages alive: same pointers, same storages
                 return plan
@@ -164,9 +161,9 @@ class RolloutEngine:
         self._plans = [(key, plan)] + self._plans[:1]
         return plan
 
-    def _swap_locked(self, manifest: Manifest, buffers: list[torch.Tensor]) -> bool:
-        """Swap the model's bucket storages with `buffers` if the model is laid out as `manifest`."""
-        if not _CAN_SWAP or self._arranged is None or self._arranged[0] != _layout(manifest):
+    def _swap_locked(self, layout: tuple, buffers: list[torch.Tensor]) -> bool:
+        """Swap the model's bucket storages with `buffers` if the model is laid out as `layout`."""
+        if not _CAN_SWAP or self._arranged is None or self._arranged[0] != layout:
             return False
         storages = self._arranged[1]
         if len(buffers) != len(storages) or not all(

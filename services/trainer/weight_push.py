@@ -111,7 +111,7 @@ class WeightPusher:
                 names = list(weights.segment_names) if plane == CUDA_IPC else []
             # Made on the GPU when the copy was captured; otherwise (exact mode) from the host
             # bytes, which every algo reads alike ("fast" gives the same result on CPU and GPU).
-            prints = weights.fingerprints.get(used) or [fingerprint(b, used) for b in weights.buffers]
+            prints = weights.fingerprints.get(used) or fingerprints(weights.buffers, used)
         else:
             specs, buffers = trainer.layout, trainer.bucket_views
             prints = fingerprints(buffers, used)

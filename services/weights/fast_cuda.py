@@ -108,27 +108,34 @@ def _format(nbytes: int, sums: Sequence[int]) -> str:
 def fingerprints(flats: Sequence[torch.Tensor], ready: Sequence[torch.cuda.Event] | None = None) -> list[str]:
     """The "fast" fingerprints of flat uint8 CUDA tensors, with one device->host sync for all.
     With `ready`, the current stream waits for ready[k] before reading flats[k] (a copy landing)."""
-    if not flats:
-        return []
-    sums = []
-    for k, flat in enumerate(flats):
+    for flat in flats:
         if not available(flat) or flat.dtype != torch.uint8 or flat.dim() != 1:
             raise ValueError("fast_cuda: needs contiguous, 16-byte aligned, flat uint8 CUDA tensors")
-        if ready is not None:
-            torch.cuda.current_stream(flat.device).wait_event(ready[k])
-        sums.append(_sums(flat, None))
-    return [_format(flat.numel(), s) for flat, s in zip(flats, torch.stack(sums).tolist())]
+    return _fingerprint_all(((None, flat) for flat in flats), ready)
 
 
 def copy_and_fingerprint(pairs: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> list[str]:
     """Copy each flat uint8 CUDA `src` into its `dst` (same size) and return the "fast"
     fingerprints of what was copied: one read of the source, one write, one host sync in all.
     `pairs` may be a generator: each copy is queued as its pair is produced."""
+
+    def checked():
+        for dst, src in pairs:
+            if not (available(src) and available(dst)) or dst.numel() != src.numel() or \
+                    src.dtype != torch.uint8 or dst.dtype != torch.uint8 or src.device != dst.device:
+                raise ValueError("fast_cuda: copy needs two flat uint8 CUDA tensors of one size, 16-byte aligned")
+            yield dst, src
+
+    return _fingerprint_all(checked(), None)
+
+
+def _fingerprint_all(pairs: Iterable[tuple[torch.Tensor | None, torch.Tensor]],
+                     ready: Sequence[torch.cuda.Event] | None) -> list[str]:
+    """Queue the sums of every (dst or None, src) pair, then read them all with one host sync."""
     sums, sizes = [], []
-    for dst, src in pairs:
-        if not (available(src) and available(dst)) or dst.numel() != src.numel() or \
-                src.dtype != torch.uint8 or dst.dtype != torch.uint8 or src.device != dst.device:
-            raise ValueError("fast_cuda: copy needs two flat uint8 CUDA tensors of one size, 16-byte aligned")
+    for k, (dst, src) in enumerate(pairs):
+        if ready is not None:
+            torch.cuda.current_stream(src.device).wait_event(ready[k])
         sums.append(_sums(src, dst))
         sizes.append(src.numel())
     if not sums:
