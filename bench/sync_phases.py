@@ -20,6 +20,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.weight_sync import configure, make_model, syncer_for, trainer_and_engine  # noqa: E402
+from services import profiling  # noqa: E402
 from services.api import trainer_pb2  # noqa: E402
 from services.coordinator.clients import RolloutClient, TrainerClient  # noqa: E402
 
@@ -46,6 +47,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--planes", default="grpc_stream,shm,broadcast")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--log-lines", type=int, default=12, help="how much of each service's log to print")
+    parser.add_argument("--debug", action="store_true", help="services log at debug level (finer splits)")
+    parser.add_argument("--profile", type=Path, help="write a torch.profiler trace of every update here")
     args = parser.parse_args(argv)
     phases: list[str] = []
     for cls, names in TIMED.items():
@@ -55,7 +58,8 @@ def main(argv: list[str] | None = None) -> int:
         model = Path(tmp) / "model"
         print(f"model: {make_model(model, args.mb) / 1e6:.0f} MB", flush=True)
         pool = ThreadPoolExecutor(8)
-        with trainer_and_engine(Path(tmp)) as (fleet, trainer, engine):
+        env = {profiling.ENV: str(args.profile.resolve())} if args.profile else None
+        with trainer_and_engine(Path(tmp), "debug" if args.debug else "info", env) as (fleet, trainer, engine):
             sample = trainer_pb2.Sample(prompt_ids=[3, 4], response_ids=[5], advantage=1.0)
             for name in args.planes.split(","):
                 from_host = name.endswith("_host")

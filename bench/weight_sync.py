@@ -60,12 +60,13 @@ def make_model(directory: Path, target_mb: int) -> int:
 
 
 @contextlib.contextmanager
-def trainer_and_engine(tmp: Path) -> Iterator[tuple[LocalFleet, TrainerClient, RolloutClient]]:
+def trainer_and_engine(tmp: Path, log_level: str = "info", env: dict[str, str] | None = None
+                       ) -> Iterator[tuple[LocalFleet, TrainerClient, RolloutClient]]:
     """A trainer and a rollout engine, each its own process, as `rlfleet run` starts them."""
-    fleet = LocalFleet(tmp / "logs")
+    fleet = LocalFleet(tmp / "logs", env=env)
     try:
-        fleet.start("trainer", "trainer-0", [])
-        fleet.start("rollout", "rollout-0", [])
+        fleet.start("trainer", "trainer-0", ["--log-level", log_level])
+        fleet.start("rollout", "rollout-0", ["--log-level", log_level])
         fleet.wait_ready(timeout_s=300)
         yield fleet, TrainerClient(fleet.children[0].address), RolloutClient(fleet.children[1].address)
     finally:

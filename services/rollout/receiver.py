@@ -7,6 +7,8 @@ Staging buffers are kept between syncs so a steady-state sync allocates nothing.
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Sequence
 
 import torch
@@ -17,6 +19,8 @@ from services.weights.broadcast import WeightGroup
 from services.weights.buckets import Manifest
 from services.weights.fingerprint import IncrementalFingerprint
 from services.weights.verify import verify_buckets
+
+log = logging.getLogger("rlfleet.rollout")
 
 
 class Staging:
@@ -72,14 +76,20 @@ def receive_host_copy(reader: shm.ShmReader, source: weights_pb2.ShmSource, mani
     """An offloaded trainer's host copy, in shared memory, copied into this engine's staging on
     its GPU and verified there (the mappings stay page-locked from sync to sync)."""
     device = into.device
+    started = time.perf_counter()
     views = reader.open(list(source.segment_names), manifest, pinned=True)
+    opened = time.perf_counter()
     try:
         buffers, prints = staging.upload_and_fingerprint(views, device, manifest.fingerprint_algo,
                                                          out=into.buffers(manifest))
         torch.cuda.current_stream(device).synchronize()  # the host pages may be rewritten once we return
     finally:
         reader.copied()
+    uploaded = time.perf_counter()
     verify_buckets(manifest, buffers, computed=prints)
+    log.debug("host copy of version %d: opening %.1f ms, uploading and fingerprinting %.1f ms (%.1f GB/s), "
+              "verifying %.1f ms", manifest.version, 1e3 * (opened - started), 1e3 * (uploaded - opened),
+              sum(b.nbytes for b in manifest.buckets) / (uploaded - opened) / 1e9, 1e3 * (time.perf_counter() - uploaded))
     return buffers
 
 

@@ -13,7 +13,7 @@ import time
 
 import grpc
 
-from services import rpc
+from services import profiling, rpc
 from services.api import rollout_pb2, rollout_pb2_grpc, trainer_pb2, weights_pb2
 from services.rollout.engine import EngineStateError, EngineUnavailable, RolloutEngine, RolloutSettings
 from services.rollout import receiver
@@ -146,7 +146,8 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
             read_back = request.verify == weights_pb2.VERIFY_MODE_EXACT
             checked = time.perf_counter()
             try:
-                copied = self._receive_and_apply(engine, request, manifest, read_back)
+                with profiling.profiled("rollout", f"update-{manifest.version}"):
+                    copied = self._receive_and_apply(engine, request, manifest, read_back)
             except (WeightSyncError, InvalidChunk, grpc.RpcError) as e:
                 reason = e.details() if isinstance(e, grpc.RpcError) else str(e)
                 engine.leave_pool(f"weight update to version {manifest.version} failed: {reason}")
