@@ -5,7 +5,9 @@ bucket, write an int64 copy twice its size and read that back: about five bucket
 memory traffic. The kernels here read each word once, keep the int64 products in registers and
 write two partial sums per block of rows, so a bucket is fingerprinted at the speed of reading
 it. `copy_and_fingerprint` also stores every word it reads into a second buffer: a device copy
-that fingerprints the bytes it wrote for free (a copy already reads them).
+that fingerprints the bytes it wrote for free (a copy already reads them). Its source may also be
+page-locked host memory mapped into the GPU (`mapped`): then the SMs read the host pages over
+PCIe themselves, an upload and its fingerprint in one pass that leaves the copy engines alone.
 
 The result is the same, bit for bit, as `fingerprint._fast` on any device (modular sums do not
 depend on reduction order); tests/gpu/test_fast_cuda_gpu.py checks that on odd sizes. Where
@@ -25,7 +27,7 @@ try:  # Triton comes with torch's CUDA wheels, not with its CPU ones
 except ImportError:  # pragma: no cover - exercised on CPU machines
     triton = None
 
-__all__ = ["available", "copy_and_fingerprint", "fingerprints"]
+__all__ = ["available", "copy_and_fingerprint", "fingerprints", "mapped"]
 
 # 4 rows of 1024 int32 words (16 KiB) per program with 4 warps: on the H200, 8.6 GB fingerprinted in
 # 2.56 ms (3.4 TB/s) and copied+fingerprinted in 4.70 ms (a plain copy: 4.08 ms); 8 rows with 8 warps
@@ -42,6 +44,34 @@ def available(flat: torch.Tensor) -> bool:
         and flat.is_contiguous()
         and flat.data_ptr() % 16 == 0
     )
+
+
+def mapped(flat: torch.Tensor) -> bool:
+    """Whether the kernels can read this flat uint8 host tensor where it is: page-locked
+    (cudaHostAlloc, or cudaHostRegister as services/weights/shm.py does), hence mapped into the
+    device's address space, which Triton checks again at launch."""
+    return (
+        triton is not None
+        and flat.device.type == "cpu"
+        and flat.is_contiguous()
+        and flat.data_ptr() % 16 == 0
+        and torch.cuda.is_available()
+        and flat.is_pinned()
+    )
+
+
+class _HostWords:
+    """A page-locked host buffer as a kernel argument: Triton takes anything with `data_ptr()`
+    and `dtype`, and launches with the device address the driver maps it to (UVA)."""
+
+    dtype = torch.int32
+
+    def __init__(self, words: torch.Tensor, device: torch.device):
+        self._words = words  # keeps the memory alive while the argument exists
+        self.device = device  # where it is read
+
+    def data_ptr(self) -> int:
+        return self._words.data_ptr()
 
 
 if triton is not None:
@@ -65,15 +95,18 @@ if triton is not None:
         tl.store(partials + 2 * pid + 1, tl.sum(row_sums * row_weights, axis=0))
 
 
-def _launch(src_words: torch.Tensor, dst_words: torch.Tensor | None, row_base: int) -> torch.Tensor:
-    """Partial (s0, s1) sums over whole rows of int32 words: an int64 tensor [2]."""
+def _launch(src_words: torch.Tensor, dst_words: torch.Tensor | None, row_base: int,
+            device: torch.device) -> torch.Tensor:
+    """Partial (s0, s1) sums over whole rows of int32 words (on `device`, or page-locked host
+    words it reads over PCIe): an int64 tensor [2] on `device`."""
     from services.weights.fingerprint import _C1, _C2, _ROW_WORDS, _S1, _S2
 
     num_rows = src_words.numel() // _ROW_WORDS
     grid = triton.cdiv(num_rows, _ROWS_PER_PROGRAM)
-    partials = torch.empty(grid, 2, dtype=torch.int64, device=src_words.device)
+    partials = torch.empty(grid, 2, dtype=torch.int64, device=device)
+    src = src_words if src_words.device.type == "cuda" else _HostWords(src_words, device)
     _fast_partials[(grid,)](
-        src_words, dst_words if dst_words is not None else src_words, partials, num_rows, row_base,
+        src, dst_words if dst_words is not None else src, partials, num_rows, row_base,
         _C1, _S1, _C2, _S2, ROWS=_ROWS_PER_PROGRAM, WORDS=_ROW_WORDS, COPY=dst_words is not None,
         num_warps=_NUM_WARPS,
     )
@@ -81,22 +114,24 @@ def _launch(src_words: torch.Tensor, dst_words: torch.Tensor | None, row_base: i
 
 
 def _sums(src: torch.Tensor, dst: torch.Tensor | None) -> torch.Tensor:
-    """(s0, s1) of one flat uint8 bucket as an int64 device tensor [2], copying into `dst` if given."""
+    """(s0, s1) of one flat uint8 bucket as an int64 device tensor [2], copying into `dst` if
+    given. `src` lives on the device, or (with `dst`) in page-locked host memory."""
     from services.weights.fingerprint import _ROW_WORDS
 
+    device = src.device if dst is None else dst.device
     row_bytes = 4 * _ROW_WORDS
     num_full_rows = src.numel() // row_bytes
     whole = num_full_rows * row_bytes
-    sums = torch.zeros(2, dtype=torch.int64, device=src.device)
+    sums = torch.zeros(2, dtype=torch.int64, device=device)
     if num_full_rows:
         words = src[:whole].view(torch.int32)
-        sums += _launch(words, dst[:whole].view(torch.int32) if dst is not None else None, 0)
+        sums += _launch(words, dst[:whole].view(torch.int32) if dst is not None else None, 0, device)
     if whole < src.numel():  # the last, partial row: zero-padded, as the definition says
-        tail = torch.zeros(row_bytes, dtype=torch.uint8, device=src.device)
-        tail[: src.numel() - whole].copy_(src[whole:])
+        tail = torch.zeros(row_bytes, dtype=torch.uint8, device=device)
+        tail[: src.numel() - whole].copy_(src[whole:], non_blocking=True)
         if dst is not None:
-            dst[whole:].copy_(src[whole:])
-        sums += _launch(tail.view(torch.int32), None, num_full_rows)
+            dst[whole:].copy_(src[whole:], non_blocking=True)
+        sums += _launch(tail.view(torch.int32), None, num_full_rows, device)
     return sums
 
 
@@ -115,15 +150,18 @@ def fingerprints(flats: Sequence[torch.Tensor], ready: Sequence[torch.cuda.Event
 
 
 def copy_and_fingerprint(pairs: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> list[str]:
-    """Copy each flat uint8 CUDA `src` into its `dst` (same size) and return the "fast"
+    """Copy each flat uint8 `src` into its CUDA `dst` (same size) and return the "fast"
     fingerprints of what was copied: one read of the source, one write, one host sync in all.
+    `src` is on dst's device, or page-locked host memory (`mapped`), read over PCIe by the SMs.
     `pairs` may be a generator: each copy is queued as its pair is produced."""
 
     def checked():
         for dst, src in pairs:
-            if not (available(src) and available(dst)) or dst.numel() != src.numel() or \
-                    src.dtype != torch.uint8 or dst.dtype != torch.uint8 or src.device != dst.device:
-                raise ValueError("fast_cuda: copy needs two flat uint8 CUDA tensors of one size, 16-byte aligned")
+            on_device = available(src) and src.device == dst.device
+            if not (on_device or mapped(src)) or not available(dst) or dst.numel() != src.numel() or \
+                    src.dtype != torch.uint8 or dst.dtype != torch.uint8 or src.dim() != 1:
+                raise ValueError("fast_cuda: copy needs a flat uint8 CUDA destination and a source of its size on "
+                                 "its device or in page-locked host memory, both 16-byte aligned")
             yield dst, src
 
     return _fingerprint_all(checked(), None)

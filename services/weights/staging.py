@@ -12,8 +12,10 @@ Three ways, each overlapping the PCIe copy with what follows instead of copying 
   engine starts on bucket 0 while later buckets are still crossing PCIe, with no round trip per
   bucket. Used when the host copy is private memory.
 - `upload_and_fingerprint` (an engine on the trainer's GPU, host copy in shared memory): the
-  engine copies the trainer's page-locked host copy to its own device itself, and fingerprints
-  bucket k while bucket k+1 crosses PCIe. Nothing is staged on the trainer's GPU.
+  engine copies the trainer's page-locked host copy to its own device itself. With Triton, its
+  SMs read the host pages and fingerprint them on the way (one pass); otherwise the copy
+  engines upload and bucket k is fingerprinted while bucket k+1 crosses PCIe. Nothing is staged
+  on the trainer's GPU.
 """
 
 from __future__ import annotations
@@ -84,18 +86,31 @@ def stage_for_ipc(host_buffers: Sequence[torch.Tensor], device: torch.device
 
 
 def upload_and_fingerprint(host_views: Sequence[torch.Tensor], device: torch.device, algo: str,
-                           out: Sequence[torch.Tensor] | None = None) -> tuple[list[torch.Tensor], list[str]]:
-    """Copy flat uint8 host buckets (page-locked) into device buffers (`out`, or new ones) on a
-    copy stream, and fingerprint each on the current stream as soon as it has landed. Returns
-    both lists; the buffers are ready for the current stream."""
+                           out: Sequence[torch.Tensor] | None = None, *, kernel: bool = True
+                           ) -> tuple[list[torch.Tensor], list[str]]:
+    """Copy flat uint8 host buckets (page-locked) into device buffers (`out`, or new ones) and
+    fingerprint them. Returns both lists; the buffers are ready for the current stream.
+
+    "fast" with Triton: a kernel on the current stream reads each bucket over PCIe, stores it and
+    fingerprints it in one pass. That keeps off the copy engines, which the driver also uses to
+    scrub device memory another process has just freed, and a trainer going to sleep frees
+    everything: on the H200, 9.1 GB uploaded right after a 26 GiB free took 230 ms on the copy
+    engines and 179 ms this way (165 and 178 ms with nothing freed; bench/host_upload.py).
+    Otherwise, or with `kernel=False` (bench/host_upload.py compares both), the copy engines
+    upload on a copy stream and each bucket is fingerprinted on the current stream as soon as it
+    has landed."""
     current = torch.cuda.current_stream(device)
-    copier = torch.cuda.Stream(device)
     # Allocated on the current stream, where they live on (as the model's weights): memory the
     # caching allocator hands out for one stream is only reused on that stream, and a stream made
     # per sync would never get it back.
     buffers = list(out) if out is not None else [
         torch.empty(host.numel(), dtype=torch.uint8, device=device) for host in host_views
     ]
+    if kernel and algo == "fast" and all(fast_cuda.available(b) for b in buffers) \
+            and all(fast_cuda.mapped(h) for h in host_views):
+        with torch.cuda.device(device):
+            return buffers, fast_cuda.copy_and_fingerprint(zip(buffers, host_views))
+    copier = torch.cuda.Stream(device)
     copier.wait_stream(current)
     landed = []
     with torch.cuda.stream(copier):

@@ -45,5 +45,47 @@ def test_copy_and_fingerprint_copies_exactly_and_fingerprints_the_copy():
     assert prints == ["fast:" + _fast(s) for s in sources]
     sources[3][7] ^= 1  # one flipped bit
     assert fast_cuda.copy_and_fingerprint([(targets[3], sources[3])]) != [prints[3]]
-    with pytest.raises(ValueError, match="one size"):
+    with pytest.raises(ValueError, match="of its size"):
         fast_cuda.copy_and_fingerprint([(targets[0], sources[1])])
+
+
+def test_uploading_from_page_locked_host_memory_copies_and_fingerprints_in_one_pass():
+    """The SMs read page-locked host buckets (cudaHostAlloc, and shared-memory segments locked
+    with cudaHostRegister, as an engine maps a sleeping trainer's host copy) over PCIe."""
+    from services.weights import shm
+
+    gen = torch.Generator().manual_seed(5)
+    sources = [torch.randint(0, 256, (n,), dtype=torch.uint8, generator=gen).pin_memory() for n in SIZES]
+    segments = shm.SharedBuffers([n for n in SIZES[-3:]], pinned=True, prefix="rlfleet-test")
+    try:
+        for seg, src in zip(segments.buffers, sources[-3:]):
+            seg.copy_(src)
+        sources += segments.buffers
+        assert all(fast_cuda.mapped(s) for s in sources)
+        targets = [torch.zeros(s.numel(), dtype=torch.uint8, device="cuda") for s in sources]
+        prints = fast_cuda.copy_and_fingerprint(zip(targets, sources))
+        assert all(torch.equal(t.cpu(), s) for t, s in zip(targets, sources))
+        assert prints == ["fast:" + _fast(s) for s in sources]
+        sources[-1][5] ^= 1  # the host bytes change: the next upload sees it
+        assert fast_cuda.copy_and_fingerprint([(targets[-1], sources[-1])]) != [prints[-1]]
+        assert torch.equal(targets[-1].cpu(), sources[-1])
+    finally:
+        segments.close()
+    pageable = torch.zeros(4096, dtype=torch.uint8)  # the GPU cannot read it where it is
+    assert not fast_cuda.mapped(pageable)
+    with pytest.raises(ValueError, match="page-locked"):
+        fast_cuda.copy_and_fingerprint([(torch.zeros(4096, dtype=torch.uint8, device="cuda"), pageable)])
+
+
+def test_upload_and_fingerprint_gives_the_same_buffers_and_fingerprints_either_way():
+    """The one-pass kernel upload (page-locked sources) and the copy-engine upload (a pageable
+    source makes it fall back) agree with each other and with the definition."""
+    from services.weights.staging import upload_and_fingerprint
+
+    gen = torch.Generator().manual_seed(9)
+    host = [torch.randint(0, 256, (n,), dtype=torch.uint8, generator=gen) for n in SIZES]
+    device = torch.device("cuda")
+    by_kernel, kernel_prints = upload_and_fingerprint([h.pin_memory() for h in host], device, "fast")
+    by_engines, engine_prints = upload_and_fingerprint(host, device, "fast")
+    assert kernel_prints == engine_prints == ["fast:" + _fast(h) for h in host]
+    assert all(torch.equal(a, b) and torch.equal(a.cpu(), h) for a, b, h in zip(by_kernel, by_engines, host))
