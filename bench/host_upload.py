@@ -60,8 +60,9 @@ def main(argv: list[str] | None = None) -> int:
     total = count * BUCKET
     segments = shm.SharedBuffers([BUCKET] * count, pinned=True, prefix="rlfleet-bench")
     try:
-        for k, view in enumerate(segments.buffers):
-            view.copy_(torch.randint(0, 256, (BUCKET,), dtype=torch.uint8, generator=torch.Generator().manual_seed(k)))
+        noise = torch.randint(0, 256, (BUCKET,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+        for view in segments.buffers:
+            view.copy_(noise)
         host = segments.buffers
         out = [torch.empty(BUCKET, dtype=torch.uint8, device=device) for _ in range(count)]
         pinned = torch.ones(total, dtype=torch.uint8, pin_memory=True)
