@@ -180,6 +180,49 @@ def test_a_failing_engine_mid_broadcast_leaves_trainer_and_others_usable(trainer
     pool.shutdown()
 
 
+@pytest.mark.parametrize("failure", ["killed", "stalled"])
+@pytest.mark.parametrize("plane", ["shm", "grpc_stream"])
+def test_an_engine_stopped_during_a_sync_leaves_trainer_and_others_usable(trainer_and_two_engines, plane, failure):
+    """The engine is stopped 30 ms into the sync: reading the trainer's segments, or pulling its
+    stream (the trainer then has a stream open to a peer that reads no more). Killed a second
+    later, or left stalled: the sync fails for it within the timeout, the trainer trains on while
+    it is still stalled, and the next sync reaches the other engine."""
+    local, trainer, engines = trainer_and_two_engines
+    pool = ThreadPoolExecutor(8)
+    syncer = WeightSyncer(
+        trainer=trainer, engines=engines, trainer_caps=trainer.capabilities,
+        engine_caps=[e.capabilities for e in engines], forced=plane, exact=False, timeout_s=4.0,
+        token="", pool=pool,
+    )
+    sample = trainer_pb2.Sample(prompt_ids=[3, 4], response_ids=[5], advantage=1.0)
+    try:
+        assert syncer.sync({0, 1}).ok == {0, 1}
+        trainer.train_step(trainer_pb2.Batch(samples=[sample]))
+        victim = local.children[2].process
+        threading.Timer(0.03, lambda: os.kill(victim.pid, signal.SIGSTOP)).start()
+        if failure == "killed":
+            threading.Timer(1.0, lambda: os.kill(victim.pid, signal.SIGKILL)).start()
+        started = time.monotonic()
+        broken = syncer.sync({0, 1})
+        took = time.monotonic() - started
+        print(f"{plane}, {failure}: {took:.2f}s, failures {broken.failures}")
+        assert 0 in broken.ok
+        if 1 not in broken.ok:  # the timer may fire after a fast engine has finished
+            assert engines[1].address in broken.failures
+        assert took < 4.0 * 1.1 + 2 + 10.0  # the engine's deadline, plus slack for a loaded 2-core box
+
+        trainer.train_step(trainer_pb2.Batch(samples=[sample]))  # returns: no stream holds the weights
+        if failure == "stalled":
+            os.kill(victim.pid, signal.SIGKILL)
+        again = syncer.sync({0})
+        assert 0 in again.ok
+        assert engines[1].address in again.failures  # dead now
+        assert _sha256_matches(trainer, engines[0], 8 << 20)
+    finally:
+        syncer.close()
+        pool.shutdown()
+
+
 def test_a_push_that_fails_at_once_does_not_hold_the_engines_until_their_timeout(trainer_and_two_engines):
     """The trainer refuses the push (here: asked for a version it has no manifest of) while the
     group itself is fine: the engines already waiting on the collective must be let go now, not
