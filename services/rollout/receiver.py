@@ -89,7 +89,7 @@ def receive_host_copy(reader: shm.ShmReader, source: weights_pb2.ShmSource, mani
     verify_buckets(manifest, buffers, computed=prints)
     log.debug("host copy of version %d: opening %.1f ms, uploading and fingerprinting %.1f ms (%.1f GB/s), "
               "verifying %.1f ms", manifest.version, 1e3 * (opened - started), 1e3 * (uploaded - opened),
-              sum(b.nbytes for b in manifest.buckets) / (uploaded - opened) / 1e9, 1e3 * (time.perf_counter() - uploaded))
+              manifest.total_bytes / (uploaded - opened) / 1e9, 1e3 * (time.perf_counter() - uploaded))
     return buffers
 
 

@@ -22,6 +22,7 @@ from services.trainer.host_store import HostCopy
 from services.weights.buckets import BucketSpec, Manifest, pack_bucket, plan_buckets
 from services.weights.fingerprint import default_algo, fingerprint
 
+
 @dataclass(frozen=True)
 class Snapshot:
     manifest: Manifest
