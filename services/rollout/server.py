@@ -13,7 +13,7 @@ import time
 
 import grpc
 
-from services import profiling, rpc
+from services import devices, profiling, rpc
 from services.api import rollout_pb2, rollout_pb2_grpc, trainer_pb2, weights_pb2
 from services.rollout.engine import EngineStateError, EngineUnavailable, RolloutEngine, RolloutSettings
 from services.rollout import receiver
@@ -62,6 +62,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
     def _require(self, context) -> RolloutEngine:
         if self._engine is None:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, "engine is not configured: call Configure first")
+        devices.use(self._engine.device)  # this pool thread may start on another GPU
         return self._engine
 
     def _status(self) -> rollout_pb2.RolloutStatus:
@@ -90,6 +91,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
                 max_batch_size=c.max_batch_size or 256,
                 load_weights=c.load_weights,
             )
+            devices.use(settings.device)
             self._engine = RolloutEngine(settings)
             self._staging = receiver.Staging(self._engine.device)
             log.info("configured: %s (%d parameters, %s)", c.model_path, self._engine.num_parameters, settings.device)

@@ -12,7 +12,7 @@ import time
 
 import grpc
 
-from services import rpc
+from services import devices, rpc
 from services.api import trainer_pb2, trainer_pb2_grpc, weights_pb2
 from services.trainer.batch import Sample
 from services.trainer.settings import LossSettings, OptimizerSettings, SchedulerSettings, TrainerSettings
@@ -121,6 +121,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
     def _require(self, context) -> TorchTrainer:
         if self._trainer is None:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, "trainer is not configured: call Configure first")
+        devices.use(self._trainer.device)  # this pool thread may start on another GPU
         return self._trainer
 
     def _status(self) -> trainer_pb2.TrainerStatus:
@@ -147,6 +148,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
     def Configure(self, request, context):
         with self._lock, rpc.abort_on(context, _ERRORS):
             settings = settings_from_proto(request.config)
+            devices.use(settings.device)
             if self._pusher is not None:
                 self._pusher.close()
                 self._trainer.close()

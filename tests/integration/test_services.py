@@ -207,3 +207,22 @@ def test_invalid_job_is_rejected_with_the_field_named(fleet):
             coordinator.CreateJob(coordinator_pb2.CreateJobRequest(config_yaml="name: x\nnum_rollout: 1\nmodle: y\n"), timeout=30)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "modle" in err.value.details()
+
+
+def test_a_device_the_machine_lacks_is_refused_by_name_and_the_old_configuration_serves_on(fleet, tiny_model_dir):
+    addrs = addresses(fleet)
+    _configure(addrs, tiny_model_dir)
+    _, synced = _sync(addrs)
+    with channel(addrs["trainer"]) as tch, channel(addrs["rollout"]) as rch:
+        trainer, engine = trainer_pb2_grpc.TrainerStub(tch), rollout_pb2_grpc.RolloutStub(rch)
+        with pytest.raises(grpc.RpcError) as err:
+            trainer.Configure(trainer_pb2.ConfigureTrainerRequest(
+                config=trainer_pb2.TrainerConfig(model_path=str(tiny_model_dir), device="cuda:64")), timeout=60)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "cuda:64 does not exist" in err.value.details()
+        with pytest.raises(grpc.RpcError) as err:
+            engine.Configure(rollout_pb2.ConfigureRolloutRequest(
+                config=rollout_pb2.RolloutConfig(model_path=str(tiny_model_dir), device="cuda:64")), timeout=60)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "cuda:64 does not exist" in err.value.details()
+        assert trainer.GetStatus(trainer_pb2.GetTrainerStatusRequest(), timeout=10).configured
+        status = engine.GetStatus(rollout_pb2.GetRolloutStatusRequest(), timeout=10)
+        assert status.serving and status.weight_version == synced.version
