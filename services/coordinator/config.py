@@ -93,17 +93,27 @@ class RolloutConfig:
         samples_per_prompt: completions sampled per prompt (the group size of group baselines).
         sampling: sampling parameters for training rollouts.
         num_engines: rollout engines to run.
+        devices: where the engines run (cpu, cuda or cuda:N), taken in turn: engine k gets
+            devices[k % len(devices)]; empty = the trainer's device. [cuda:1] puts every engine
+            on GPU 1 beside a trainer on GPU 0, and weights then move by NCCL broadcast.
     """
 
     prompts_per_step: int = 16
     samples_per_prompt: int = 8
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     num_engines: int = 1
+    devices: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         _check(self.prompts_per_step >= 1, "prompts_per_step", f"must be >= 1, got {self.prompts_per_step}")
         _check(self.samples_per_prompt >= 1, "samples_per_prompt", f"must be >= 1, got {self.samples_per_prompt}")
         _check(self.num_engines >= 1, "num_engines", f"must be >= 1, got {self.num_engines}")
+        for device in self.devices:
+            _check(bool(_DEVICE_RE.fullmatch(device)), "devices", f"expected cpu, cuda or cuda:N, got {device!r}")
+
+    def device_of(self, engine: int, default: str) -> str:
+        """The device engine `engine` runs on (`default`: the trainer's)."""
+        return self.devices[engine % len(self.devices)] if self.devices else default
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -141,17 +141,16 @@ class RLLoop:
                             f"optimizer: {'yes' if status.has_optimizer else 'none'})"},
             )
         exact = self.job.weight_sync.verify == "exact"
-        rollout_config = rollout_pb2.RolloutConfig(
-            model_path=str(self.job.model),
-            engine="torch",
-            device=self.job.trainer.device,
-            dtype=self.job.trainer.dtype,
-            seed=self.job.seed,
-            # exact verification starts engines from scrambled weights: only the sync can fix them
-            load_weights=not (exact and self.fleet.trainers),
-        )
-        for engine in self.fleet.engines:
-            status = engine.configure(rollout_config)
+        for index, engine in enumerate(self.fleet.engines):
+            status = engine.configure(rollout_pb2.RolloutConfig(
+                model_path=str(self.job.model),
+                engine="torch",
+                device=self.job.rollout.device_of(index, self.job.trainer.device),
+                dtype=self.job.trainer.dtype,
+                seed=self.job.seed,
+                # exact verification starts engines from scrambled weights: only the sync can fix them
+                load_weights=not (exact and self.fleet.trainers),
+            ))
         self.fleet.in_pool = set(range(len(self.fleet.engines)))
         if self.fleet.trainers:
             sync = self.job.weight_sync

@@ -35,6 +35,7 @@ rollout:
   samples_per_prompt: 8
   sampling: {temperature: 1.0, top_p: 1.0, top_k: 0, max_new_tokens: 64, stop: [], seed: null}
   num_engines: 1
+  devices: []
 data:
   train: ./data/train.jsonl
   prompt_key: prompt
@@ -226,6 +227,7 @@ def test_missing_required_keys_are_named():
         ({"rollout": {"sampling": {"top_p": 1.5}}}, "rollout.sampling.top_p"),
         ({"rollout": {"sampling": {"temperature": -0.1}}}, "rollout.sampling.temperature"),
         ({"rollout": {"prompts_per_step": 0}}, "rollout.prompts_per_step"),
+        ({"rollout": {"devices": ["cuda:1", "gpu1"]}}, "rollout.devices"),
         ({"algorithm": {"clip_eps_low": -0.1}}, "algorithm.clip_eps_low"),
         ({"algorithm": {"clip_eps_high": -0.1}}, "algorithm.clip_eps_high"),
         ({"algorithm": {"kl_coef": -1}}, "algorithm.kl_coef"),
@@ -242,6 +244,12 @@ def test_missing_required_keys_are_named():
 )
 def test_out_of_range_values_name_the_field(overrides, field):
     assert error_of(overrides).startswith(f"{field}: ")
+
+
+def test_engines_take_the_listed_devices_in_turn_or_the_trainers():
+    assert [parse().rollout.device_of(k, "cuda:0") for k in range(2)] == ["cuda:0", "cuda:0"]
+    rollout = parse({"rollout": {"num_engines": 3, "devices": ["cuda:1", "cuda:2"]}}).rollout
+    assert [rollout.device_of(k, "cuda:0") for k in range(3)] == ["cuda:1", "cuda:2", "cuda:1"]
 
 
 # --------------------------------------------------------------------------- cross-field rules
