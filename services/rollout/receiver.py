@@ -53,13 +53,22 @@ class Staging:
 
 
 def receive_broadcast(group: WeightGroup, src: int, manifest: Manifest, staging: Staging) -> list[torch.Tensor]:
-    """Receive every bucket; host buckets are hashed part by part while the next part arrives."""
+    """Receive every bucket, verifying what has arrived while the rest is in flight: host
+    buckets are hashed part by part, device buckets fingerprinted on the GPU one by one."""
     buffers = staging.buffers(manifest)
-    incremental = manifest.fingerprint_algo == "xxh3" and staging.device.type == "cpu"
-    hashers = [IncrementalFingerprint(flat) for flat in buffers] if incremental else []
-    for k, flat in enumerate(buffers):
-        group.broadcast_bucket(flat, src=src, on_part=hashers[k].filled if hashers else None)
-    verify_buckets(manifest, buffers, computed=[h.result() for h in hashers] or None)
+    algo = manifest.fingerprint_algo
+    if algo == "xxh3" and staging.device.type == "cpu":
+        hashers = [IncrementalFingerprint(flat) for flat in buffers]
+        group.broadcast_buckets(buffers, src, on_part=lambda k, n: hashers[k].filled(n))
+        computed = [h.result() for h in hashers]
+    elif algo == "fast" and all(fast_cuda.available(b) for b in buffers):
+        queued = fast_cuda.Fingerprinter()
+        group.broadcast_buckets(buffers, src, on_part=lambda k, n: queued.add(buffers[k]))
+        computed = queued.results()
+    else:
+        group.broadcast_buckets(buffers, src)
+        computed = None
+    verify_buckets(manifest, buffers, computed=computed)
     return buffers
 
 

@@ -181,8 +181,7 @@ class WeightPusher:
                 if group.backend == "nccl" and snap.buffers and snap.buffers[0].device.type == "cpu":  # from the host copy
                     staging.stage_and_send(snap.buffers, group.device, lambda k, slot: group.broadcast_bucket(slot, src=0))
                 else:
-                    for flat in snap.buffers:
-                        group.broadcast_bucket(flat, src=0)
+                    group.broadcast_buckets(snap.buffers, src=0)
             except WeightSyncError:
                 self.destroy_group(group.name)  # a broken collective cannot be reused
                 raise

@@ -10,9 +10,10 @@ rank has joined; joining blocks until then, so callers join concurrently.
 from __future__ import annotations
 
 import datetime
+import os
 import socket
 import threading
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -60,6 +61,10 @@ class WeightGroup:
             if self.backend == "gloo":
                 self._pg = dist.ProcessGroupGloo(store, self.rank, self.world_size, self.timeout)
             else:
+                # By default NCCL's watchdog takes the whole process down when a collective times
+                # out. A stalled engine must fail the sync, not kill the trainer: our own wait
+                # times out instead, and close() aborts the communicator.
+                os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "0")
                 options = dist.ProcessGroupNCCL.Options()
                 options._timeout = self.timeout
                 self._pg = dist.ProcessGroupNCCL(store, self.rank, self.world_size, options)
@@ -95,18 +100,26 @@ class WeightGroup:
             raise WeightSyncError(f"group {self.name!r}: broadcast failed on rank {self.rank}: {e}") from e
 
     def broadcast_bucket(self, flat: torch.Tensor, src: int = 0, on_part: Callable[[int], None] | None = None) -> None:
-        """Broadcast a flat uint8 bucket as consecutive parts of `PART_BYTES`, all queued at once;
-        `on_part(n)` runs as soon as the first n bytes have arrived, so a receiver can verify
-        them while the rest is in flight. Every rank must cut the same bucket the same way."""
+        """Broadcast one flat uint8 bucket (see `broadcast_buckets`)."""
+        self.broadcast_buckets([flat], src, None if on_part is None else lambda _, n: on_part(n))
+
+    def broadcast_buckets(self, flats: Sequence[torch.Tensor], src: int = 0,
+                          on_part: Callable[[int, int], None] | None = None) -> None:
+        """Send (rank src) or receive (others) flat uint8 buckets, every piece queued at once, so
+        nothing waits between buckets. `on_part(k, n)` runs as soon as the first n bytes of
+        bucket k have arrived (for NCCL: are ordered before the current stream's next work), so a
+        receiver verifies them while the rest is in flight. Gloo cuts buckets into parts of
+        `PART_BYTES`; NCCL sends each whole and pipelines it itself. Every rank must pass buckets
+        of the same sizes."""
         self.wait_ready()
-        nbytes = flat.numel()
-        bounds = [(start, min(start + PART_BYTES, nbytes)) for start in range(0, nbytes, PART_BYTES)]
+        step = None if self.backend == "nccl" else PART_BYTES
+        pieces = [(k, start, stop) for k, flat in enumerate(flats) for start, stop in _cut(flat.numel(), step)]
         try:
-            works = [self._pg.broadcast([flat[start:stop]], _options(src)) for start, stop in bounds]
-            for work, (_, stop) in zip(works, bounds):
-                work.wait(self.timeout)
+            works = [self._pg.broadcast([flats[k][start:stop]], _options(src)) for k, start, stop in pieces]
+            for work, (k, _, stop) in zip(works, pieces):
+                work.wait(self.timeout)  # NCCL: also orders the current stream after the broadcast
                 if on_part is not None:
-                    on_part(stop)
+                    on_part(k, stop)
         except RuntimeError as e:
             raise WeightSyncError(f"group {self.name!r}: broadcast failed on rank {self.rank}: {e}") from e
 
@@ -121,6 +134,12 @@ class WeightGroup:
             except RuntimeError:
                 pass
         self._store = None
+
+
+def _cut(nbytes: int, step: int | None) -> list[tuple[int, int]]:
+    if step is None or nbytes <= step:
+        return [(0, nbytes)]
+    return [(start, min(start + step, nbytes)) for start in range(0, nbytes, step)]
 
 
 def _options(src: int) -> dist.BroadcastOptions:

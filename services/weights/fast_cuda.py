@@ -27,7 +27,7 @@ try:  # Triton comes with torch's CUDA wheels, not with its CPU ones
 except ImportError:  # pragma: no cover - exercised on CPU machines
     triton = None
 
-__all__ = ["available", "copy_and_fingerprint", "fingerprints", "mapped"]
+__all__ = ["Fingerprinter", "available", "copy_and_fingerprint", "fingerprints", "mapped", "upload"]
 
 # 4 rows of 1024 int32 words (16 KiB) per program with 4 warps: on the H200, 8.6 GB fingerprinted in
 # 2.56 ms (3.4 TB/s) and copied+fingerprinted in 4.70 ms (a plain copy: 4.08 ms); 8 rows with 8 warps
@@ -122,16 +122,17 @@ def _sums(src: torch.Tensor, dst: torch.Tensor | None) -> torch.Tensor:
     row_bytes = 4 * _ROW_WORDS
     num_full_rows = src.numel() // row_bytes
     whole = num_full_rows * row_bytes
-    sums = torch.zeros(2, dtype=torch.int64, device=device)
-    if num_full_rows:
-        words = src[:whole].view(torch.int32)
-        sums += _launch(words, dst[:whole].view(torch.int32) if dst is not None else None, 0, device)
-    if whole < src.numel():  # the last, partial row: zero-padded, as the definition says
-        tail = torch.zeros(row_bytes, dtype=torch.uint8, device=device)
-        tail[: src.numel() - whole].copy_(src[whole:], non_blocking=True)
-        if dst is not None:
-            dst[whole:].copy_(src[whole:], non_blocking=True)
-        sums += _launch(tail.view(torch.int32), None, num_full_rows, device)
+    with torch.cuda.device(device):  # Triton launches on the thread's current device
+        sums = torch.zeros(2, dtype=torch.int64, device=device)
+        if num_full_rows:
+            words = src[:whole].view(torch.int32)
+            sums += _launch(words, dst[:whole].view(torch.int32) if dst is not None else None, 0, device)
+        if whole < src.numel():  # the last, partial row: zero-padded, as the definition says
+            tail = torch.zeros(row_bytes, dtype=torch.uint8, device=device)
+            tail[: src.numel() - whole].copy_(src[whole:], non_blocking=True)
+            if dst is not None:
+                dst[whole:].copy_(src[whole:], non_blocking=True)
+            sums += _launch(tail.view(torch.int32), None, num_full_rows, device)
     return sums
 
 
@@ -143,10 +144,22 @@ def _format(nbytes: int, sums: Sequence[int]) -> str:
 def fingerprints(flats: Sequence[torch.Tensor], ready: Sequence[torch.cuda.Event] | None = None) -> list[str]:
     """The "fast" fingerprints of flat uint8 CUDA tensors, with one device->host sync for all.
     With `ready`, the current stream waits for ready[k] before reading flats[k] (a copy landing)."""
-    for flat in flats:
-        if not available(flat) or flat.dtype != torch.uint8 or flat.dim() != 1:
-            raise ValueError("fast_cuda: needs contiguous, 16-byte aligned, flat uint8 CUDA tensors")
     return _fingerprint_all(((None, flat) for flat in flats), ready)
+
+
+def upload(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """Queue a copy of page-locked host `src` (`mapped`) into the CUDA tensor `dst` on the current
+    stream, done by the SMs: no host sync, and the copy engines stay free (see staging.py)."""
+    _check_copy(dst, src)
+    _sums(src, dst)
+
+
+def _check_copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+    on_device = available(src) and src.device == dst.device
+    if not (on_device or mapped(src)) or not available(dst) or dst.numel() != src.numel() or \
+            src.dtype != torch.uint8 or dst.dtype != torch.uint8 or src.dim() != 1:
+        raise ValueError("fast_cuda: copy needs a flat uint8 CUDA destination and a source of its size on "
+                         "its device or in page-locked host memory, both 16-byte aligned")
 
 
 def copy_and_fingerprint(pairs: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> list[str]:
@@ -157,25 +170,39 @@ def copy_and_fingerprint(pairs: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> 
 
     def checked():
         for dst, src in pairs:
-            on_device = available(src) and src.device == dst.device
-            if not (on_device or mapped(src)) or not available(dst) or dst.numel() != src.numel() or \
-                    src.dtype != torch.uint8 or dst.dtype != torch.uint8 or src.dim() != 1:
-                raise ValueError("fast_cuda: copy needs a flat uint8 CUDA destination and a source of its size on "
-                                 "its device or in page-locked host memory, both 16-byte aligned")
+            _check_copy(dst, src)
             yield dst, src
 
     return _fingerprint_all(checked(), None)
 
 
+class Fingerprinter:
+    """Fingerprints queued one bucket at a time, each as soon as its bytes are in (a receiver
+    verifying bucket k while k+1 arrives), and read together with one host sync."""
+
+    def __init__(self):
+        self._sums: list[torch.Tensor] = []
+        self._sizes: list[int] = []
+
+    def add(self, src: torch.Tensor, dst: torch.Tensor | None = None) -> None:
+        """Queue the sums of `src` on the current stream (copying it into `dst` if given)."""
+        if dst is None and (not available(src) or src.dtype != torch.uint8 or src.dim() != 1):
+            raise ValueError("fast_cuda: needs contiguous, 16-byte aligned, flat uint8 CUDA tensors")
+        self._sums.append(_sums(src, dst))
+        self._sizes.append(src.numel())
+
+    def results(self) -> list[str]:
+        if not self._sums:
+            return []
+        return [_format(n, s) for n, s in zip(self._sizes, torch.stack(self._sums).tolist())]
+
+
 def _fingerprint_all(pairs: Iterable[tuple[torch.Tensor | None, torch.Tensor]],
                      ready: Sequence[torch.cuda.Event] | None) -> list[str]:
     """Queue the sums of every (dst or None, src) pair, then read them all with one host sync."""
-    sums, sizes = [], []
+    queued = Fingerprinter()
     for k, (dst, src) in enumerate(pairs):
         if ready is not None:
             torch.cuda.current_stream(src.device).wait_event(ready[k])
-        sums.append(_sums(src, dst))
-        sizes.append(src.numel())
-    if not sums:
-        return []
-    return [_format(n, s) for n, s in zip(sizes, torch.stack(sums).tolist())]
+        queued.add(src, dst)
+    return queued.results()

@@ -8,7 +8,7 @@ import torch
 
 from services.weights.buckets import Manifest
 from services.weights.errors import FingerprintMismatch, WeightSyncError
-from services.weights.fingerprint import FINGERPRINT_ALGOS, fingerprint
+from services.weights.fingerprint import FINGERPRINT_ALGOS, fingerprints
 
 
 def verify_buckets(
@@ -26,15 +26,14 @@ def verify_buckets(
         raise ValueError(f"unknown verify_algo {algo!r} (known: {', '.join(FINGERPRINT_ALGOS)})")
     if len(buffers) != len(manifest.buckets):
         raise WeightSyncError(f"received {len(buffers)} buckets, the manifest has {len(manifest.buckets)}")
-    for k, (bucket, buffer) in enumerate(zip(manifest.buckets, buffers)):
+    for bucket in manifest.buckets:
         if not bucket.fingerprint.startswith(algo + ":"):
             raise WeightSyncError(
                 f"bucket {bucket.index} carries fingerprint {bucket.fingerprint!r}, which cannot be verified with {algo!r}"
             )
-        if computed is not None and algo == manifest.fingerprint_algo:
-            actual = computed[k]
-        else:
-            actual = fingerprint(buffer[: bucket.nbytes], algo)
+    if computed is None or algo != manifest.fingerprint_algo:  # on a GPU: one host sync for all
+        computed = fingerprints([buffer[: bucket.nbytes] for bucket, buffer in zip(manifest.buckets, buffers)], algo)
+    for bucket, actual in zip(manifest.buckets, computed):
         if actual != bucket.fingerprint:
             raise FingerprintMismatch(
                 f"bucket {bucket.index} fingerprint mismatch: manifest {bucket.fingerprint}, received {actual}"
