@@ -3,9 +3,9 @@
 Three ways, each overlapping the PCIe copy with what follows instead of copying everything first:
 
 - `stage_and_send` (NCCL broadcast): two device slots, used in turn. Bucket k+1 is copied
-  host->device on a copy stream while bucket k is being sent; a slot is refilled only after the
-  send that read it has finished on the GPU (an event, not a host wait). Device memory: two
-  buckets, whatever the model size.
+  host->device (by the SMs where it can, as below) on a side stream while bucket k is being
+  sent; a slot is refilled only after the send that read it has finished on the GPU (an event,
+  not a host wait). Device memory: two buckets, whatever the model size.
 - `stage_for_ipc` (CUDA IPC to an engine on the same GPU): every bucket gets its own device
   buffer, and its copy is queued before the next one; exporting the buffer records an IPC event
   behind its copy, and an engine that opens it waits for that event on its own stream. The
@@ -30,11 +30,14 @@ from services.weights.fingerprint import fingerprint
 
 
 def stage_and_send(host_buffers: Sequence[torch.Tensor], device: torch.device,
-                   send: Callable[[int, torch.Tensor], None], slots: int = 2) -> None:
+                   send: Callable[[int, torch.Tensor], None], slots: int = 2, *, kernel: bool = True) -> None:
     """Copy each flat uint8 host bucket into a device slot and call `send(k, slot_view)`.
 
     `send` queues work that reads the slot on the current stream (or finishes before returning);
-    it runs once the slot holds bucket k. Host buffers should be pinned, or the copies serialise."""
+    it runs once the slot holds bucket k. Host buffers should be pinned, or the copies serialise.
+    Page-locked buckets are copied by the SMs when Triton is there (`kernel`), for the reason
+    `upload_and_fingerprint` gives: the trainer has just freed its memory by going to sleep, and
+    the driver scrubs it on the copy engines."""
     if not host_buffers:
         return
     current = torch.cuda.current_stream(device)
@@ -42,14 +45,18 @@ def stage_and_send(host_buffers: Sequence[torch.Tensor], device: torch.device,
     size = max(b.numel() for b in host_buffers)
     pool = [torch.empty(size, dtype=torch.uint8, device=device) for _ in range(min(slots, len(host_buffers)))]
     freed: list[torch.cuda.Event | None] = [None] * len(pool)  # the last send that read each slot
+    by_sms = kernel and fast_cuda.available(pool[0]) and all(fast_cuda.mapped(b) for b in host_buffers)
 
     def fill(k: int) -> tuple[torch.Tensor, torch.cuda.Event]:
         s = k % len(pool)
         slot = pool[s][: host_buffers[k].numel()]
-        with torch.cuda.stream(copier):
+        with torch.cuda.device(device), torch.cuda.stream(copier):
             if freed[s] is not None:
                 copier.wait_event(freed[s])
-            slot.copy_(host_buffers[k], non_blocking=True)
+            if by_sms:
+                fast_cuda.upload(slot, host_buffers[k])
+            else:
+                slot.copy_(host_buffers[k], non_blocking=True)
             filled = torch.cuda.Event()
             filled.record(copier)
         return slot, filled

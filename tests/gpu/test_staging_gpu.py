@@ -19,7 +19,8 @@ def _host_buckets() -> list[torch.Tensor]:
     return [torch.randint(0, 256, (n,), dtype=torch.uint8, generator=gen).pin_memory() for n in SIZES]
 
 
-def test_a_slow_send_gets_every_bucket_intact_from_two_slots():
+@pytest.mark.parametrize("kernel", [True, False], ids=["sms", "copy-engines"])
+def test_a_slow_send_gets_every_bucket_intact_from_two_slots(kernel):
     device = torch.device("cuda")
     host = _host_buckets()
     received = [torch.zeros(n, dtype=torch.uint8, device=device) for n in SIZES]
@@ -32,7 +33,7 @@ def test_a_slow_send_gets_every_bucket_intact_from_two_slots():
         received[k].copy_(slot)
         peak.append(torch.cuda.memory_allocated(device) - before)
 
-    stage_and_send(host, device, send)
+    stage_and_send(host, device, send, kernel=kernel)
     torch.cuda.synchronize()
     for k, (h, r) in enumerate(zip(host, received)):
         assert torch.equal(h, r.cpu()), f"bucket {k} was overwritten before its send read it"
