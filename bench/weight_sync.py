@@ -3,8 +3,8 @@
 Starts a real trainer and rollout engine(s) as processes (as `rlfleet run` does), syncs a model of
 --mb megabytes over every plane this machine offers, and measures beside it the limit the plane
 is bounded by: a raw loopback TCP socket (grpc_stream), a plain memory copy (shm), a bare
-gloo/NCCL broadcast of one flat tensor (broadcast), a device-to-device copy (cuda_ipc) and a
-pinned host->device copy (syncs from the host store of an offloaded trainer). Each sync is timed
+gloo/NCCL broadcast of one flat tensor (broadcast; NCCL from GPU 0 to GPU 1), a device-to-device
+copy (cuda_ipc) and a pinned host->device copy (syncs from the host store of an offloaded trainer). Each sync is timed
 as the coordinator sees it (manifest, transfer, verification, load) after a train step, so every
 sync packs new weights, and the limit is measured again right after each timed sync (medians of
 both are compared). Prints one JSON line per plane; --out appends them to a file.
@@ -73,10 +73,11 @@ def trainer_and_engine(tmp: Path, log_level: str = "info", env: dict[str, str] |
         fleet.stop()
 
 
-def configure(trainer: TrainerClient, engine: RolloutClient, model: Path, device: str, offload: bool) -> None:
+def configure(trainer: TrainerClient, engine: RolloutClient, model: Path, device: str, offload: bool,
+              engine_device: str | None = None) -> None:
     trainer.configure(trainer_pb2.TrainerConfig(model_path=str(model), device=device, offload=offload,
                                                 optimizer=trainer_pb2.OptimizerConfig(lr=1e-6)))
-    engine.configure(rollout_pb2.RolloutConfig(model_path=str(model), device=device))
+    engine.configure(rollout_pb2.RolloutConfig(model_path=str(model), device=engine_device or device))
 
 
 def syncer_for(trainer: TrainerClient, engines: list[RolloutClient], plane: str, pool) -> WeightSyncer:
@@ -147,6 +148,39 @@ def gloo_limit(nbytes: int) -> float:
     return nbytes / float(out.stdout.strip()) / 1e9
 
 
+_NCCL_PEER = """
+import datetime, os, sys, time, torch, torch.distributed as dist
+rank, port, n = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+torch.cuda.set_device(rank)
+store = dist.TCPStore("127.0.0.1", port, 2, is_master=rank == 0, timeout=datetime.timedelta(seconds=120))
+pg = dist.ProcessGroupNCCL(dist.PrefixStore("bench", store), rank, 2, dist.ProcessGroupNCCL.Options())
+t = torch.ones(n, dtype=torch.uint8, device="cuda") if rank == 0 else torch.zeros(n, dtype=torch.uint8, device="cuda")
+opts = dist.BroadcastOptions()
+times = []
+for i in range(6):
+    pg.barrier().wait(); torch.cuda.synchronize()
+    s = time.perf_counter(); pg.broadcast([t], opts).wait(); torch.cuda.synchronize(); times.append(time.perf_counter() - s)
+assert rank == 0 or bool((t == 1).all())
+if rank == 0:
+    print(sorted(times[1:])[2], flush=True)
+pg.barrier().wait(); torch.cuda.synchronize()
+os._exit(0)
+"""
+
+
+def nccl_limit(nbytes: int) -> float:
+    """A bare NCCL broadcast of one flat tensor from GPU 0 to GPU 1, one process each (as the
+    trainer and the engine are): the median of five after a warm-up."""
+    from services.weights.broadcast import free_port
+
+    port = free_port()
+    peer = subprocess.Popen([sys.executable, "-c", _NCCL_PEER, "1", str(port), str(nbytes)])
+    out = subprocess.run([sys.executable, "-c", _NCCL_PEER, "0", str(port), str(nbytes)], capture_output=True, text=True, check=True)
+    if peer.wait() != 0:
+        raise RuntimeError("the NCCL limit's receiving process failed")
+    return nbytes / float(out.stdout.strip()) / 1e9
+
+
 # ---- planes -------------------------------------------------------------------------------------
 def d2d_limit(nbytes: int) -> float:
     src = torch.ones(nbytes, dtype=torch.uint8, device="cuda")
@@ -208,8 +242,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mb", type=int, default=512, help="model size in MB (fp32)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--planes", default=None, help="default: grpc_stream,shm,broadcast on CPU; "
-                        "cuda_ipc,cuda_ipc_host with --device cuda")
-    parser.add_argument("--device", default="cpu", help="cpu, or cuda: trainer and engine share one GPU")
+                        "cuda_ipc,cuda_ipc_host with --device cuda, and broadcast,broadcast_host too "
+                        "where there are two GPUs")
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda: the trainer on GPU 0, the engine beside it "
+                        "for cuda_ipc and on GPU 1 for broadcast (NCCL)")
     parser.add_argument("--json", action="store_true", help="JSON lines only on stdout (progress on stderr)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
@@ -219,22 +255,30 @@ def main(argv: list[str] | None = None) -> int:
         print(f"model: {model_bytes / 1e6:.0f} MB", file=sys.stderr, flush=True)
         pool = ThreadPoolExecutor(8)
         with trainer_and_engine(Path(tmp)) as (_, trainer, engine):
+            on_gpu = args.device == "cuda"
             limits = {
                 "grpc_stream": ("tcp_loopback", lambda: tcp_limit(model_bytes)),
                 "shm": ("memcpy", lambda: memcpy_limit(model_bytes)),
-                "broadcast": ("gloo_broadcast", lambda: gloo_limit(model_bytes)),
+                "broadcast": ("nccl_broadcast", lambda: nccl_limit(model_bytes)) if on_gpu
+                else ("gloo_broadcast", lambda: gloo_limit(model_bytes)),
+                "broadcast_host": ("pinned_h2d", lambda: h2d_limit(model_bytes)),
                 "cuda_ipc": ("d2d_copy", lambda: d2d_limit(model_bytes)),
                 "cuda_ipc_host": ("pinned_h2d", lambda: h2d_limit(model_bytes)),
             }
-            default = "cuda_ipc,cuda_ipc_host" if args.device == "cuda" else "grpc_stream,shm,broadcast"
+            default = "grpc_stream,shm,broadcast"
+            if on_gpu:
+                default = "cuda_ipc,cuda_ipc_host" + (",broadcast,broadcast_host" if num_gpus >= 2 else "")
             for name in (args.planes or default).split(","):
                 from_host = name.endswith("_host")
                 plane = name.removesuffix("_host")
-                configure(trainer, engine, Path(tmp) / "model", args.device, offload=from_host)
+                device = "cuda:0" if on_gpu else "cpu"
+                engine_device = "cuda:1" if on_gpu and plane == "broadcast" else device
+                configure(trainer, engine, Path(tmp) / "model", device, offload=from_host, engine_device=engine_device)
                 limit_name, measure = limits[name]
                 seconds, limit = time_plane(trainer, [engine], plane, args.repeats, pool, sleep=from_host, limit=measure)
                 line = record(name, model_bytes / seconds / 1e9, limit, plane=plane, source="host" if from_host else "live",
-                              bytes=model_bytes, limit=limit_name, seconds=round(seconds, 4), num_gpus=num_gpus)
+                              bytes=model_bytes, limit=limit_name, seconds=round(seconds, 4), num_gpus=num_gpus,
+                              trainer_device=device, engine_device=engine_device)
                 emit(line, args.out)
         pool.shutdown()
     return 0

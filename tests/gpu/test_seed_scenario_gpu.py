@@ -1,5 +1,6 @@
-"""The seed scenario (miles #3128) on one GPU: an offloaded trainer, exact verification, the first
-sync against a sleeping trainer, then RL steps, through `rlfleet run` and the CUDA IPC plane."""
+"""The seed scenario (miles #3128): an offloaded trainer, exact verification, the first sync against
+a sleeping trainer, then RL steps, through `rlfleet run`: on one GPU over CUDA IPC, and with the
+trainer on GPU 0 and the engine on GPU 1 over an NCCL broadcast (the seed's own placement)."""
 
 from __future__ import annotations
 
@@ -11,12 +12,18 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import torch
 
 pytestmark = pytest.mark.gpu
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "arith"
+TWO_GPUS = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs (the device kind nvidia-h200-x2)")
 
 
-def test_offloaded_exact_rl_job_on_one_gpu(tmp_path):
+@pytest.mark.parametrize(("trainer_device", "engine_devices", "plane"), [
+    pytest.param("cuda", "[]", "cuda_ipc", id="one-gpu"),
+    pytest.param("cuda:0", "[cuda:1]", "broadcast", id="two-gpus", marks=TWO_GPUS),
+])
+def test_offloaded_exact_rl_job(tmp_path, trainer_device, engine_devices, plane):
     job = tmp_path / "job.yaml"
     job.write_text(
         textwrap.dedent(
@@ -26,10 +33,10 @@ def test_offloaded_exact_rl_job_on_one_gpu(tmp_path):
             model: {EXAMPLE / 'model'}
             num_rollout: 4
             output_dir: {tmp_path / 'out'}
-            rollout: {{prompts_per_step: 32, samples_per_prompt: 8, sampling: {{max_new_tokens: 5}}}}
+            rollout: {{prompts_per_step: 32, samples_per_prompt: 8, sampling: {{max_new_tokens: 5}}, devices: {engine_devices}}}
             data: {{train: {EXAMPLE / 'data' / 'train.jsonl'}}}
             eval: {{every: 2, datasets: [{{name: heldout, path: {EXAMPLE / 'data' / 'test.jsonl'}, limit: 200, sampling: {{max_new_tokens: 5}}}}]}}
-            trainer: {{device: cuda, offload: true, optimizer: {{lr: 1.0e-4}}}}
+            trainer: {{device: {trainer_device}, offload: true, optimizer: {{lr: 1.0e-4}}}}
             weight_sync: {{verify: exact}}
             """
         )
@@ -44,6 +51,6 @@ def test_offloaded_exact_rl_job_on_one_gpu(tmp_path):
     assert all(s.get("metrics", s)["sync_from_host"] == 1.0 for s in steps)  # every sync read the host store
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["steps"] == 4 and summary["eval_before"] > 0.2  # exact weights, not the scrambled start
-    assert "cuda_ipc" in result.stdout  # the negotiated plane: trainer and engine share the GPU
+    assert f"': '{plane}'" in result.stdout  # the negotiated plane (logged as {engine address: plane})
     evals = [json.loads(line) for line in (tmp_path / "out" / "eval.jsonl").read_text().splitlines()]
     assert len(evals) == 3
