@@ -6,6 +6,7 @@ prints the time of GetWeightManifest, PushWeights, UpdateWeights and ReleaseWeig
 
     python bench/sync_phases.py --planes shm,grpc_stream,broadcast --mb 512
     python bench/sync_phases.py --device cuda --planes cuda_ipc,cuda_ipc_host --mb 2200
+    python bench/sync_phases.py --device cuda --planes broadcast,broadcast_host --mb 2200  # two GPUs
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.weight_sync import configure, make_model, syncer_for, trainer_and_engine  # noqa: E402
+from bench.weight_sync import configure, make_model, placement, syncer_for, trainer_and_engine  # noqa: E402
 from services import profiling  # noqa: E402
 from services.api import trainer_pb2  # noqa: E402
 from services.coordinator.clients import RolloutClient, TrainerClient  # noqa: E402
@@ -62,9 +63,10 @@ def main(argv: list[str] | None = None) -> int:
         with trainer_and_engine(Path(tmp), "debug" if args.debug else "info", env) as (fleet, trainer, engine):
             sample = trainer_pb2.Sample(prompt_ids=[3, 4], response_ids=[5], advantage=1.0)
             for name in args.planes.split(","):
-                from_host = name.endswith("_host")
-                configure(trainer, engine, model, args.device, offload=from_host)
-                syncer = syncer_for(trainer, [engine], name.removesuffix("_host"), pool)
+                from_host, plane = name.endswith("_host"), name.removesuffix("_host")
+                device, engine_device = placement(args.device, plane)
+                configure(trainer, engine, model, device, offload=from_host, engine_device=engine_device)
+                syncer = syncer_for(trainer, [engine], plane, pool)
                 for i in range(args.syncs):
                     trainer.train_step(trainer_pb2.Batch(samples=[sample]))
                     if from_host:

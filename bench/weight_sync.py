@@ -80,6 +80,14 @@ def configure(trainer: TrainerClient, engine: RolloutClient, model: Path, device
     engine.configure(rollout_pb2.RolloutConfig(model_path=str(model), device=engine_device or device))
 
 
+def placement(device: str, plane: str) -> tuple[str, str]:
+    """Trainer and engine devices for a plane: on GPUs the trainer takes GPU 0, and the engine
+    shares it (cuda_ipc) or takes GPU 1 (broadcast, over NCCL)."""
+    if device == "cpu":
+        return "cpu", "cpu"
+    return "cuda:0", "cuda:1" if plane == "broadcast" else "cuda:0"
+
+
 def syncer_for(trainer: TrainerClient, engines: list[RolloutClient], plane: str, pool) -> WeightSyncer:
     return WeightSyncer(
         trainer=trainer, engines=engines, trainer_caps=trainer.capabilities,
@@ -178,7 +186,7 @@ def nccl_limit(nbytes: int) -> float:
     out = subprocess.run([sys.executable, "-c", _NCCL_PEER, "0", str(port), str(nbytes)], capture_output=True, text=True, check=True)
     if peer.wait() != 0:
         raise RuntimeError("the NCCL limit's receiving process failed")
-    return nbytes / float(out.stdout.strip()) / 1e9
+    return nbytes / float(out.stdout.split()[-1]) / 1e9  # NCCL may print its version first
 
 
 # ---- planes -------------------------------------------------------------------------------------
@@ -271,8 +279,7 @@ def main(argv: list[str] | None = None) -> int:
             for name in (args.planes or default).split(","):
                 from_host = name.endswith("_host")
                 plane = name.removesuffix("_host")
-                device = "cuda:0" if on_gpu else "cpu"
-                engine_device = "cuda:1" if on_gpu and plane == "broadcast" else device
+                device, engine_device = placement(args.device, plane)
                 configure(trainer, engine, Path(tmp) / "model", device, offload=from_host, engine_device=engine_device)
                 limit_name, measure = limits[name]
                 seconds, limit = time_plane(trainer, [engine], plane, args.repeats, pool, sleep=from_host, limit=measure)

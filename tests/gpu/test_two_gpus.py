@@ -44,6 +44,7 @@ def fleet(tmp_path):
                 os.kill(child.process.pid, signal.SIGCONT)  # a test may have stopped one
             except ProcessLookupError:
                 pass
+            print(f"--- {child.role} log ---\n{child.log_tail(25)}")  # shown when a test fails
         local.stop()
 
 
@@ -53,7 +54,7 @@ def _configure(trainer, engines, devices, model, *, offload, bucket_bytes=16 << 
                                                 optimizer=trainer_pb2.OptimizerConfig(lr=1e-2)))
     for engine, device in zip(engines, devices):
         # scrambled weights: only a sync that delivers every byte can make them match the trainer's
-        engine.configure(rollout_pb2.RolloutConfig(model_path=str(model), device=device, load_weights=False))
+        engine.configure(rollout_pb2.RolloutConfig(model_path=str(model), device=device, load_weights=False, seed=7))
 
 
 def _syncer(trainer, engines, pool, *, exact, timeout_s=60.0):
@@ -117,7 +118,7 @@ def test_one_sync_reaches_an_engine_beside_the_trainer_and_one_on_the_other_gpu(
         pool.shutdown()
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(240)
 @pytest.mark.parametrize("failure", ["killed", "stalled"])
 def test_an_engine_lost_during_an_nccl_broadcast_fails_alone_and_the_trainer_trains_on(fleet, tmp_path, failure):
     """The engine on GPU 1 is stopped with its group cached, so the trainer's broadcast starts and
