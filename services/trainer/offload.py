@@ -73,12 +73,18 @@ class Offloader:
             memory.release(owners)
 
     def reallocate(self, state_tensors: list[torch.Tensor]) -> None:
-        """Give params back their storage (values undefined until restored) and reload the state."""
+        """Give params back their storage (tensor values undefined until restored, the gaps between
+        them zero) and reload the state."""
         owners = self._owners(state_tensors)
         memory.reallocate(owners, [self._sizes[id(t)] for t in owners])
         with torch.no_grad():
             for t in owners:
                 if id(t) in self._host:
                     memory.as_bytes(t).copy_(self._host[id(t)], non_blocking=self.pinned)
+                else:  # the parameters' storage, laid out as sync buckets
+                    # Buckets are fingerprinted and sent whole, alignment gaps included, and an
+                    # engine compares them with copies whose gaps are zero; reallocated memory is
+                    # whatever the allocator hands back (on the H200, a staging slot's bytes).
+                    memory.as_bytes(t).zero_()
         if self.params and self.params[0].device.type == "cuda":
             torch.cuda.synchronize(self.params[0].device)

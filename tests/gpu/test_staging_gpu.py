@@ -124,3 +124,36 @@ def test_an_nccl_push_from_a_sleeping_trainer_sends_each_bucket_from_a_staged_sl
     finally:
         pusher.close()
         trainer.close()
+
+
+def test_fingerprints_captured_at_sleep_match_the_host_copy_after_a_push_from_it(tmp_path):
+    """Sleep fingerprints the device buckets whole, gaps between tensors included, and a sync
+    from the host copy is verified against those fingerprints. A push from the host copy leaves
+    its staging slots' bytes in memory that the next wake may be handed back for the weights;
+    before wake zeroed that memory, the captured fingerprint of a bucket with gaps stopped
+    matching the host copy from the second sync on (an NCCL engine then refused every update)."""
+    from services.api import trainer_pb2, weights_pb2
+    from services.trainer.batch import Sample
+    from services.trainer.settings import TrainerSettings
+    from services.trainer.torch_backend import TorchTrainer
+    from services.trainer.weight_push import BROADCAST, WeightPusher
+    from services.weights.fingerprint import fingerprints
+    from tests.conftest import make_tiny_model
+
+    trainer = TorchTrainer(TrainerSettings(model_path=str(make_tiny_model(tmp_path / "m")), device="cuda",
+                                           offload=True, bucket_bytes=16 << 10))
+    pusher = WeightPusher(trainer)
+    try:
+        pusher.init_group(weights_pb2.InitWeightUpdateGroupRequest(
+            group_name="g", world_size=1, backend="nccl", master_address="127.0.0.1"))
+        for _ in range(3):
+            trainer.train_step([Sample(prompt_ids=[3, 4], response_ids=[5], advantages=[1.0])])
+            trainer.sleep()
+            host = trainer.store.get("actor")
+            assert host.fingerprints["fast"] == fingerprints(list(host.buffers), "fast")  # the host bytes, on the CPU
+            manifest = pusher.manifest(BROADCAST)
+            pusher.push(trainer_pb2.PushWeightsRequest(plane=BROADCAST, version=manifest.version,
+                                                       broadcast=weights_pb2.BroadcastSource(group_name="g")))
+    finally:
+        pusher.close()
+        trainer.close()

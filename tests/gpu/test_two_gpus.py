@@ -118,13 +118,14 @@ def test_one_sync_reaches_an_engine_beside_the_trainer_and_one_on_the_other_gpu(
         pool.shutdown()
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(150)
 @pytest.mark.parametrize("failure", ["killed", "stalled"])
 def test_an_engine_lost_during_an_nccl_broadcast_fails_alone_and_the_trainer_trains_on(fleet, tmp_path, failure):
     """The engine on GPU 1 is stopped with its group cached, so the trainer's broadcast starts and
     finds no receiver; killed a second later, or left stalled. Its sync fails within the timeout,
     the engine on GPU 0 gets the weights, the trainer (whose GPU ran the broken collective) trains
-    on, and the next sync reaches the engine that is left."""
+    on, and the next sync reaches the engine that is left. (On nvidia-h200-x2 on 2026-11-29 the
+    stalled case did not finish within 90 s; not yet diagnosed.)"""
     from bench.weight_sync import make_model
 
     local, trainer, engines = fleet

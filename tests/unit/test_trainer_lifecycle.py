@@ -167,3 +167,24 @@ def test_old_actor_holds_the_weights_last_synced(tiny_model_dir):
     assert old == before and now != before
     with pytest.raises(ValueError, match="teacher"):
         trainer.use("teacher")
+
+
+def test_after_wake_the_live_buckets_read_exactly_as_packed_alignment_gaps_included(tiny_model_dir):
+    """A woken trainer's buckets are fingerprinted and sent whole, gaps between tensors included,
+    and compared with copies packed from the tensors (gaps zero). Memory reallocated at wake is
+    whatever the allocator hands back: here it was just filled with junk, as a staging buffer on
+    a GPU can leave it. (On the H200 this made an NCCL sync from a sleeping trainer fail
+    verification from its second step.)"""
+    trainer = _trainer(tiny_model_dir, offload=True)
+    storage_bytes = trainer.params[0].untyped_storage().nbytes()
+    gaps = [b.nbytes - sum(t.nbytes for t in b.tensors) for b in trainer.layout]
+    assert any(gaps), "the layout needs alignment gaps for this test to mean anything"
+    for _ in range(2):
+        trainer.train_step(_samples())
+        trainer.sleep()
+        junk = [torch.full((storage_bytes,), 0xAB, dtype=torch.uint8) for _ in range(4)]
+        del junk  # freed: the next allocation of this size may reuse the dirty memory
+        trainer.wake()
+        named = {name: t.detach() for name, t in trainer.named.items()}
+        for spec, live in zip(trainer.layout, trainer.bucket_views):
+            assert torch.equal(live[: spec.nbytes], pack_bucket(spec, named)), f"bucket {spec.index}"
