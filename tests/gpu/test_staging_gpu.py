@@ -3,6 +3,8 @@ send must not see overwritten, and per-bucket IPC events an engine waits on."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -91,13 +93,14 @@ def test_a_failed_page_lock_is_named_and_leaves_cuda_usable():
         shm.unpin(buf)
 
 
-def test_an_nccl_push_from_a_sleeping_trainer_sends_each_bucket_from_a_staged_slot(tmp_path):
-    """The real NCCL path of PushWeights on one GPU (a one-rank group: the only one NCCL allows
-    here). Each slot is fingerprinted right after its broadcast, before it can be refilled."""
-    from services.api import trainer_pb2, weights_pb2
+@contextlib.contextmanager
+def _sleeping_trainer_with_a_group(tmp_path):
+    """An offloaded trainer on the GPU, its WeightPusher and a one-rank NCCL group "g" (the only
+    group NCCL allows on one GPU), all closed afterwards."""
+    from services.api import weights_pb2
     from services.trainer.settings import TrainerSettings
     from services.trainer.torch_backend import TorchTrainer
-    from services.trainer.weight_push import BROADCAST, WeightPusher
+    from services.trainer.weight_push import WeightPusher
     from tests.conftest import make_tiny_model
 
     trainer = TorchTrainer(TrainerSettings(model_path=str(make_tiny_model(tmp_path / "m")), device="cuda",
@@ -106,6 +109,26 @@ def test_an_nccl_push_from_a_sleeping_trainer_sends_each_bucket_from_a_staged_sl
     try:
         pusher.init_group(weights_pb2.InitWeightUpdateGroupRequest(
             group_name="g", world_size=1, backend="nccl", master_address="127.0.0.1"))
+        yield trainer, pusher
+    finally:
+        pusher.close()
+        trainer.close()
+
+
+def _push(pusher, version: int) -> None:
+    from services.api import trainer_pb2, weights_pb2
+    from services.trainer.weight_push import BROADCAST
+
+    pusher.push(trainer_pb2.PushWeightsRequest(plane=BROADCAST, version=version,
+                                               broadcast=weights_pb2.BroadcastSource(group_name="g")))
+
+
+def test_an_nccl_push_from_a_sleeping_trainer_sends_each_bucket_from_a_staged_slot(tmp_path):
+    """The real NCCL path of PushWeights on one GPU. Each slot is fingerprinted right after its
+    broadcast, before it can be refilled."""
+    from services.trainer.weight_push import BROADCAST
+
+    with _sleeping_trainer_with_a_group(tmp_path) as (trainer, pusher):
         trainer.sleep()
         manifest = pusher.manifest(BROADCAST)
         assert manifest.source == "host" and len(manifest.buckets) > 2
@@ -118,12 +141,8 @@ def test_an_nccl_push_from_a_sleeping_trainer_sends_each_bucket_from_a_staged_sl
             sent.append(fingerprint(flat, "fast"))
 
         group.broadcast_bucket = watched
-        pusher.push(trainer_pb2.PushWeightsRequest(plane=BROADCAST, version=manifest.version,
-                                                   broadcast=weights_pb2.BroadcastSource(group_name="g")))
+        _push(pusher, manifest.version)
         assert sent == [b.fingerprint for b in manifest.buckets]
-    finally:
-        pusher.close()
-        trainer.close()
 
 
 def test_fingerprints_captured_at_sleep_match_the_host_copy_after_a_push_from_it(tmp_path):
@@ -132,28 +151,14 @@ def test_fingerprints_captured_at_sleep_match_the_host_copy_after_a_push_from_it
     its staging slots' bytes in memory that the next wake may be handed back for the weights;
     before wake zeroed that memory, the captured fingerprint of a bucket with gaps stopped
     matching the host copy from the second sync on (an NCCL engine then refused every update)."""
-    from services.api import trainer_pb2, weights_pb2
     from services.trainer.batch import Sample
-    from services.trainer.settings import TrainerSettings
-    from services.trainer.torch_backend import TorchTrainer
-    from services.trainer.weight_push import BROADCAST, WeightPusher
+    from services.trainer.weight_push import BROADCAST
     from services.weights.fingerprint import fingerprints
-    from tests.conftest import make_tiny_model
 
-    trainer = TorchTrainer(TrainerSettings(model_path=str(make_tiny_model(tmp_path / "m")), device="cuda",
-                                           offload=True, bucket_bytes=16 << 10))
-    pusher = WeightPusher(trainer)
-    try:
-        pusher.init_group(weights_pb2.InitWeightUpdateGroupRequest(
-            group_name="g", world_size=1, backend="nccl", master_address="127.0.0.1"))
+    with _sleeping_trainer_with_a_group(tmp_path) as (trainer, pusher):
         for _ in range(3):
             trainer.train_step([Sample(prompt_ids=[3, 4], response_ids=[5], advantages=[1.0])])
             trainer.sleep()
             host = trainer.store.get("actor")
             assert host.fingerprints["fast"] == fingerprints(list(host.buffers), "fast")  # the host bytes, on the CPU
-            manifest = pusher.manifest(BROADCAST)
-            pusher.push(trainer_pb2.PushWeightsRequest(plane=BROADCAST, version=manifest.version,
-                                                       broadcast=weights_pb2.BroadcastSource(group_name="g")))
-    finally:
-        pusher.close()
-        trainer.close()
+            _push(pusher, pusher.manifest(BROADCAST).version)
