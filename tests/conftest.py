@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import threading
 from pathlib import Path
 
 import pytest
@@ -40,6 +42,17 @@ def make_tiny_model(directory: Path, *, seed: int = 0, architecture: str = "qwen
     save_hf_dir(model, config, directory)
     tokenizer.save(directory)
     return directory
+
+
+def stop_process(pid: int, failure: str, after_s: float = 0.0) -> None:
+    """Stop a process mid-sync: SIGSTOP now (or `after_s` from now); with `failure` "killed" it is
+    also SIGKILLed a second after that, with "stalled" it stays stopped (the caller kills it)."""
+    if after_s:
+        threading.Timer(after_s, lambda: os.kill(pid, signal.SIGSTOP)).start()
+    else:
+        os.kill(pid, signal.SIGSTOP)
+    if failure == "killed":
+        threading.Timer(after_s + 1.0, lambda: os.kill(pid, signal.SIGKILL)).start()
 
 
 def write_task(directory: Path, num_rows: int, seed: int) -> Path:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import signal
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -19,7 +18,7 @@ from services.api import rollout_pb2, trainer_pb2
 from services.coordinator.clients import RolloutClient, TrainerClient
 from services.coordinator.weight_sync import WeightSyncer
 from services.launcher import LocalFleet
-from tests.conftest import make_tiny_model
+from tests.conftest import make_tiny_model, stop_process
 
 pytestmark = [
     pytest.mark.gpu,
@@ -138,9 +137,7 @@ def test_an_engine_lost_during_an_nccl_broadcast_fails_alone_and_the_trainer_tra
         assert syncer.sync({0, 1}).ok == {0, 1}
         trainer.train_step(trainer_pb2.Batch(samples=[SAMPLE]))
         victim = local.children[2].process
-        os.kill(victim.pid, signal.SIGSTOP)
-        if failure == "killed":
-            threading.Timer(1.0, lambda: os.kill(victim.pid, signal.SIGKILL)).start()
+        stop_process(victim.pid, failure)
         started = time.monotonic()
         broken = syncer.sync({0, 1})
         took = time.monotonic() - started

@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import signal
 import textwrap
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -18,6 +17,7 @@ from services.coordinator.clients import RolloutClient, TrainerClient
 from services.coordinator.weight_sync import WeightSyncer, choose_plane
 from services.launcher import LocalFleet
 from services.api import weights_pb2
+from tests.conftest import stop_process
 from tests.integration.conftest import channel
 
 pytestmark = pytest.mark.faults
@@ -157,9 +157,7 @@ def test_a_failing_engine_mid_broadcast_leaves_trainer_and_others_usable(trainer
     trainer.train_step(trainer_pb2.Batch(samples=[trainer_pb2.Sample(prompt_ids=[3, 4], response_ids=[5], advantage=1.0)]))
 
     victim = local.children[2].process
-    os.kill(victim.pid, signal.SIGSTOP)
-    if failure == "killed":
-        threading.Timer(1.0, lambda: os.kill(victim.pid, signal.SIGKILL)).start()
+    stop_process(victim.pid, failure)
     started = time.monotonic()
     broken = syncer.sync({0, 1})
     took = time.monotonic() - started
@@ -199,9 +197,7 @@ def test_an_engine_stopped_during_a_sync_leaves_trainer_and_others_usable(traine
         assert syncer.sync({0, 1}).ok == {0, 1}
         trainer.train_step(trainer_pb2.Batch(samples=[sample]))
         victim = local.children[2].process
-        threading.Timer(0.03, lambda: os.kill(victim.pid, signal.SIGSTOP)).start()
-        if failure == "killed":
-            threading.Timer(1.0, lambda: os.kill(victim.pid, signal.SIGKILL)).start()
+        stop_process(victim.pid, failure, after_s=0.03)
         started = time.monotonic()
         broken = syncer.sync({0, 1})
         took = time.monotonic() - started
