@@ -55,6 +55,19 @@ def stop_process(pid: int, failure: str, after_s: float = 0.0) -> None:
         threading.Timer(after_s + 1.0, lambda: os.kill(pid, signal.SIGKILL)).start()
 
 
+def stop_fleet(local, log_lines: int = 0) -> None:
+    """Stop a LocalFleet whose children a test may have stopped (each gets SIGCONT first, so it
+    can exit), printing the last `log_lines` of each child's log (pytest shows them on failure)."""
+    for child in local.children:
+        try:
+            os.kill(child.process.pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+        if log_lines:
+            print(f"--- {child.role} log ---\n{child.log_tail(log_lines)}")
+    local.stop()
+
+
 def write_task(directory: Path, num_rows: int, seed: int) -> Path:
     import random
 

@@ -18,7 +18,7 @@ from services.api import rollout_pb2, trainer_pb2
 from services.coordinator.clients import RolloutClient, TrainerClient
 from services.coordinator.weight_sync import WeightSyncer
 from services.launcher import LocalFleet
-from tests.conftest import make_tiny_model, stop_process
+from tests.conftest import make_tiny_model, stop_fleet, stop_process
 
 pytestmark = [
     pytest.mark.gpu,
@@ -38,13 +38,7 @@ def fleet(tmp_path):
         local.wait_ready(timeout_s=180)
         yield local, TrainerClient(local.children[0].address), [RolloutClient(c.address) for c in local.children[1:]]
     finally:
-        for child in local.children:
-            try:
-                os.kill(child.process.pid, signal.SIGCONT)  # a test may have stopped one
-            except ProcessLookupError:
-                pass
-            print(f"--- {child.role} log ---\n{child.log_tail(25)}")  # shown when a test fails
-        local.stop()
+        stop_fleet(local, log_lines=25)  # a test may have stopped one; the logs show when one fails
 
 
 def _configure(trainer, engines, devices, model, *, offload, bucket_bytes=16 << 10):

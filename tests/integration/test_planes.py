@@ -17,7 +17,7 @@ from services.coordinator.clients import RolloutClient, TrainerClient
 from services.coordinator.weight_sync import WeightSyncer, choose_plane
 from services.launcher import LocalFleet
 from services.api import weights_pb2
-from tests.conftest import stop_process
+from tests.conftest import stop_fleet, stop_process
 from tests.integration.conftest import channel
 
 pytestmark = pytest.mark.faults
@@ -135,12 +135,7 @@ def trainer_and_two_engines(tmp_path, mid_model):
         _configure(trainer, engines, mid_model)
         yield local, trainer, engines
     finally:
-        for child in local.children:
-            try:
-                os.kill(child.process.pid, signal.SIGCONT)  # a test may have stopped one
-            except ProcessLookupError:
-                pass
-        local.stop()
+        stop_fleet(local)  # a test may have stopped one
 
 
 @pytest.mark.parametrize("failure", ["killed", "stalled"])
