@@ -92,14 +92,17 @@ class TrainerClient(_Client):
             reply = self._stub.TrainStep(request, timeout=self.deadline_s)
         return dict(reply.metrics), reply.weights_version
 
-    def weight_manifest(self, fingerprint_algo: str = "", plane: int = 0) -> weights_pb2.WeightManifest:
+    # The calls of a weight sync take the sync's timeout (`timeout_s`): a trainer that stalls
+    # mid-sync fails it in that time, as a stalled engine does, not at the client's deadline.
+    def weight_manifest(self, fingerprint_algo: str = "", plane: int = 0,
+                        timeout_s: float | None = None) -> weights_pb2.WeightManifest:
         request = trainer_pb2.GetWeightManifestRequest(fingerprint_algo=fingerprint_algo, plane=plane)
         with self._call("GetWeightManifest"):
-            return self._stub.GetWeightManifest(request, timeout=self.deadline_s).manifest
+            return self._stub.GetWeightManifest(request, timeout=self._sync_deadline(timeout_s)).manifest
 
     def push_weights(
         self, plane: int, version: int | None, broadcast: weights_pb2.BroadcastSource | None = None,
-        fingerprint_algo: str = "",
+        fingerprint_algo: str = "", timeout_s: float | None = None,
     ) -> trainer_pb2.PushWeightsResponse:
         """Version None pushes the current weights, making their manifest in the same call."""
         request = trainer_pb2.PushWeightsRequest(
@@ -107,11 +110,15 @@ class TrainerClient(_Client):
             fingerprint_algo=fingerprint_algo,
         )
         with self._call("PushWeights"):
-            return self._stub.PushWeights(request, timeout=self.deadline_s)
+            return self._stub.PushWeights(request, timeout=self._sync_deadline(timeout_s))
 
-    def release_weights(self, version: int) -> None:
+    def release_weights(self, version: int, timeout_s: float | None = None) -> None:
         with self._call("ReleaseWeights"):
-            self._stub.ReleaseWeights(trainer_pb2.ReleaseWeightsRequest(version=version), timeout=self.deadline_s)
+            self._stub.ReleaseWeights(trainer_pb2.ReleaseWeightsRequest(version=version),
+                                      timeout=self._sync_deadline(timeout_s))
+
+    def _sync_deadline(self, timeout_s: float | None) -> float:
+        return self.deadline_s if timeout_s is None else timeout_s * 1.1 + 2
 
     def init_weight_update_group(self, name: str, world_size: int, backend: str, timeout_s: float) -> int:
         """Rank 0's side: returns the port its store listens on (the group forms as engines join)."""

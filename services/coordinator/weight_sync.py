@@ -115,23 +115,25 @@ class WeightSyncer:
         return result
 
     def _sync_grpc_stream(self, members) -> SyncResult:
-        manifest = self.trainer.weight_manifest(self._algo(), PLANES["grpc_stream"])
+        manifest = self.trainer.weight_manifest(self._algo(), PLANES["grpc_stream"], self.timeout_s)
         endpoint = weights_pb2.TrainerEndpoint(address=self.trainer.address, token=self.token)
         return self._update_all(members, manifest, trainer=endpoint)
 
     def _sync_shm(self, members) -> SyncResult:
-        reply = self.trainer.push_weights(PLANES["shm"], None, fingerprint_algo=self._algo())  # manifest and push at once
+        # the manifest and the push in one call
+        reply = self.trainer.push_weights(PLANES["shm"], None, fingerprint_algo=self._algo(), timeout_s=self.timeout_s)
         return self._update_all(members, reply.manifest, shm=weights_pb2.ShmSource(segment_names=reply.shm_segments))
 
     def _sync_cuda_ipc(self, members) -> SyncResult:
-        reply = self.trainer.push_weights(PLANES["cuda_ipc"], None, fingerprint_algo=self._algo())
+        reply = self.trainer.push_weights(PLANES["cuda_ipc"], None, fingerprint_algo=self._algo(),
+                                         timeout_s=self.timeout_s)
         if reply.shm_segments:  # an offloaded trainer's host copy: each engine uploads it; nothing to release
             return self._update_all(members, reply.manifest, shm=weights_pb2.ShmSource(segment_names=reply.shm_segments))
         try:
             return self._update_all(members, reply.manifest, cuda_ipc=weights_pb2.CudaIpcSource(handles=reply.cuda_ipc_handles))
         finally:
             if reply.release_required:  # staged copies, not the live weights: free them now
-                self.trainer.release_weights(reply.manifest.version)
+                self.trainer.release_weights(reply.manifest.version, self.timeout_s)
 
     def _sync_broadcast(self, members) -> SyncResult:
         # A cached group is used as it is: a member that died or stalls since fails the collective
@@ -148,9 +150,10 @@ class WeightSyncer:
             self._drop_group()
             failures.update({self.engines[i].address: f"could not form the broadcast group: {e}" for i in reachable})
             return SyncResult(-1, "", 0, failures=failures)
-        manifest = self.trainer.weight_manifest(self._algo(), PLANES["broadcast"])
+        manifest = self.trainer.weight_manifest(self._algo(), PLANES["broadcast"], self.timeout_s)
         source = weights_pb2.BroadcastSource(group_name=group.name, src_rank=0)
-        push = self._pool.submit(self.trainer.push_weights, PLANES["broadcast"], manifest.version, source)
+        push = self._pool.submit(self.trainer.push_weights, PLANES["broadcast"], manifest.version, source,
+                                 timeout_s=self.timeout_s)
         updates = self._submit_updates(reachable, manifest, broadcast=source)
         push_error = None
         try:

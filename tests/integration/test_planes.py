@@ -243,6 +243,47 @@ def test_a_push_that_fails_at_once_does_not_hold_the_engines_until_their_timeout
         pool.shutdown()
 
 
+def test_a_trainer_stalled_mid_broadcast_fails_the_sync_within_the_timeout_and_recovers(trainer_and_two_engines):
+    """The trainer is the peer that stalls: stopped 5 ms into its broadcast. The sync fails within
+    the sync's timeout (not the clients' ten-minute deadline) and names the trainer; once the
+    trainer runs again, the next sync forms a new group and reaches both engines."""
+    local, trainer, engines = trainer_and_two_engines
+    pool = ThreadPoolExecutor(8)
+    syncer = WeightSyncer(
+        trainer=trainer, engines=engines, trainer_caps=trainer.capabilities,
+        engine_caps=[e.capabilities for e in engines], forced="broadcast", exact=False, timeout_s=4.0,
+        token="", pool=pool,
+    )
+    pid = local.children[0].process.pid
+    try:
+        assert syncer.sync({0, 1}).ok == {0, 1}
+        trainer.train_step(trainer_pb2.Batch(samples=[trainer_pb2.Sample(prompt_ids=[3, 4], response_ids=[5], advantage=1.0)]))
+        real_manifest = trainer.weight_manifest
+
+        def manifest_then_stall(*args, **kwargs):
+            manifest = real_manifest(*args, **kwargs)
+            stop_process(pid, "stalled", after_s=0.005)  # the push follows at once
+            return manifest
+
+        trainer.weight_manifest = manifest_then_stall
+        started = time.monotonic()
+        broken = syncer.sync({0, 1})
+        took = time.monotonic() - started
+        print(f"stalled trainer: {took:.1f}s, failures {broken.failures}")
+        assert not broken.ok and trainer.address in broken.failures
+        assert "PushWeights" in broken.failures[trainer.address]
+        assert took < 4.0 * 1.1 + 2 + 10.0  # the push's deadline, plus slack for a loaded 2-core box
+        trainer.weight_manifest = real_manifest
+        os.kill(pid, signal.SIGCONT)
+        again = syncer.sync({0, 1})
+        assert again.ok == {0, 1} and not again.failures, again.failures
+        assert all(_sha256_matches(trainer, e, 8 << 20) for e in engines)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+        syncer.close()
+        pool.shutdown()
+
+
 def test_a_killed_trainer_leaves_nothing_in_dev_shm(tmp_path, tiny_model_dir):
     """Shm segments outlive nobody: the resource tracker unlinks them when the trainer is SIGKILLed."""
     from services.weights.shm import SHM_DIR
