@@ -51,6 +51,20 @@ def broadcast_backend(trainer: weights_pb2.Capabilities, engines: list[weights_p
     return "nccl" if trainer.gpu_uuids and all(e.gpu_uuids for e in engines) else "gloo"
 
 
+def _check_nccl_ranks(trainer: weights_pb2.Capabilities, engines: list[tuple[str, weights_pb2.Capabilities]]) -> None:
+    """NCCL refuses two ranks on one GPU, and would say so only when the group forms, in a log."""
+    if not engines or broadcast_backend(trainer, [caps for _, caps in engines]) != "nccl":
+        return
+    owner: dict[str, str] = {}
+    for address, caps in engines:
+        for uuid in caps.gpu_uuids:
+            if uuid in owner:
+                raise ValueError(
+                    f"weight_sync.plane: engines {owner[uuid]} and {address} share GPU {uuid}, and NCCL refuses "
+                    "two ranks on one GPU: give each engine its own GPU (rollout.devices)")
+            owner[uuid] = address
+
+
 @dataclass
 class _Group:
     name: str
@@ -74,6 +88,8 @@ class WeightSyncer:
         self.trainer_caps, self.engine_caps = trainer_caps, engine_caps
         self.exact, self.timeout_s, self.token, self._pool = exact, timeout_s, token, pool
         self.planes = [choose_plane(trainer_caps, caps, forced, e.address) for e, caps in zip(engines, engine_caps)]
+        _check_nccl_ranks(trainer_caps, [(e.address, caps) for e, caps, plane in zip(engines, engine_caps, self.planes)
+                                         if plane == "broadcast"])
         self._group: _Group | None = None
 
     def sync(self, alive: set[int]) -> SyncResult:

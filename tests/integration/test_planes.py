@@ -93,6 +93,24 @@ def test_impossible_forced_plane_names_the_engine():
     assert choose_plane(gpu0, gpu1, "auto", "e") == "broadcast"
 
 
+def test_two_nccl_engines_on_one_gpu_are_refused_before_anything_moves():
+    from types import SimpleNamespace
+
+    gpu0 = weights_pb2.Capabilities(host_id="a", gpu_uuids=["GPU-0"])
+    gpu1 = weights_pb2.Capabilities(host_id="a", gpu_uuids=["GPU-1"])
+    gpu2 = weights_pb2.Capabilities(host_id="a", gpu_uuids=["GPU-2"])
+
+    def syncer(*caps):
+        engines = [SimpleNamespace(address=f"e{k}") for k in range(len(caps))]
+        return WeightSyncer(trainer=SimpleNamespace(address="t"), engines=engines, trainer_caps=gpu0,
+                            engine_caps=list(caps), forced="auto", exact=False, timeout_s=1.0, token="", pool=None)
+
+    with pytest.raises(ValueError, match="engines e0 and e1 share GPU GPU-1, and NCCL refuses two ranks on one GPU"):
+        syncer(gpu1, gpu1)
+    assert syncer(gpu1, gpu2).planes == ["broadcast", "broadcast"]
+    assert syncer(gpu0, gpu0, gpu1).planes == ["cuda_ipc", "cuda_ipc", "broadcast"]  # IPC engines may share
+
+
 @pytest.fixture
 def mid_model(tmp_path):
     """About 60 MB of weights: bigger than socket buffers, so a stopped receiver really stalls."""
