@@ -66,7 +66,10 @@ class WeightGroup:
                 # out. A stalled engine must fail the sync, not kill the trainer: our own wait
                 # times out instead, and close() aborts the communicator.
                 os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "0")
-                options = dist.ProcessGroupNCCL.Options()
+                # A trainer that sends from its host copy uploads bucket k+1 with a kernel on every
+                # SM while bucket k is broadcast; at normal priority the broadcast's blocks would
+                # queue behind the upload's, and the two would take turns instead of overlapping.
+                options = dist.ProcessGroupNCCL.Options(is_high_priority_stream=True)
                 options._timeout = self.timeout
                 self._pg = dist.ProcessGroupNCCL(store, self.rank, self.world_size, options)
         except BaseException as e:
