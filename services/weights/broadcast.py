@@ -10,6 +10,7 @@ rank has joined; joining blocks until then, so callers join concurrently.
 from __future__ import annotations
 
 import datetime
+import logging
 import os
 import socket
 import threading
@@ -21,6 +22,7 @@ import torch.distributed as dist
 
 from services.weights.errors import WeightSyncError
 
+log = logging.getLogger("rlfleet.weights")
 BACKENDS = ("gloo", "nccl")
 # Buckets travel in parts this size, so the receiver verifies part k while part k+1 arrives.
 PART_BYTES = 64 << 20
@@ -142,17 +144,28 @@ class WeightGroup:
             time.sleep(20e-6)
         work.wait()  # raises the collective's error, if it had one
 
-    def close(self) -> None:
+    def close(self, wait_s: float = 10.0) -> None:
+        """Abort the communicator, waiting at most `wait_s`: callers hold their service's lock,
+        and an abort stuck on a collective that will never finish must not hold it forever."""
         pg, self._pg = self._pg, None
         if pg is not None:
-            try:
-                if hasattr(pg, "abort"):
-                    pg.abort()
-                else:
-                    pg.shutdown()
-            except RuntimeError:
-                pass
+            aborting = threading.Thread(target=_abort, args=(pg,), name=f"abort-{self.name}", daemon=True)
+            aborting.start()
+            aborting.join(wait_s)
+            if aborting.is_alive():
+                log.warning("group %r: aborting its communicator did not finish within %.0fs; left to finish "
+                            "in the background", self.name, wait_s)
         self._store = None
+
+
+def _abort(pg) -> None:
+    try:
+        if hasattr(pg, "abort"):
+            pg.abort()
+        else:
+            pg.shutdown()
+    except RuntimeError:
+        pass
 
 
 def _cut(nbytes: int, step: int | None) -> list[tuple[int, int]]:
