@@ -63,7 +63,12 @@ def receive_broadcast(group: WeightGroup, src: int, manifest: Manifest, staging:
         computed = [h.result() for h in hashers]
     elif algo == "fast" and all(fast_cuda.available(b) for b in buffers):
         queued = fast_cuda.Fingerprinter()
-        group.broadcast_buckets(buffers, src, on_part=lambda k, n: queued.add(buffers[k]))
+
+        def arrived(k: int, n: int) -> None:
+            if n == buffers[k].numel():  # the whole bucket (gloo reports it in parts)
+                queued.add(buffers[k])
+
+        group.broadcast_buckets(buffers, src, on_part=arrived)
         computed = queued.results()
     else:
         group.broadcast_buckets(buffers, src)

@@ -126,6 +126,8 @@ class WeightGroup:
                 self._wait(work)
                 if on_part is not None:
                     on_part(k, stop)
+        except WeightSyncError:
+            raise
         except RuntimeError as e:
             raise WeightSyncError(f"group {self.name!r}: broadcast failed on rank {self.rank}: {e}") from e
 

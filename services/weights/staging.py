@@ -44,6 +44,7 @@ def stage_and_send(host_buffers: Sequence[torch.Tensor], device: torch.device,
     copier = torch.cuda.Stream(device)
     size = max(b.numel() for b in host_buffers)
     pool = [torch.empty(size, dtype=torch.uint8, device=device) for _ in range(min(slots, len(host_buffers)))]
+    copier.wait_stream(current)  # the slots' memory may be in use by work queued there before
     freed: list[torch.cuda.Event | None] = [None] * len(pool)  # the last send that read each slot
     by_sms = kernel and fast_cuda.available(pool[0]) and all(fast_cuda.mapped(b) for b in host_buffers)
 
