@@ -121,28 +121,37 @@ def test_an_engine_lost_during_an_nccl_broadcast_fails_alone_and_the_trainer_tra
     stalled case did not finish within 90 s; not yet diagnosed.)"""
     from bench.weight_sync import make_model
 
+    begun = time.monotonic()
+
+    def phase(what: str) -> None:  # printed as it happens: a timeout shows where the test stood
+        print(f"{time.monotonic() - begun:6.1f}s {what}", flush=True)
+
     local, trainer, engines = fleet
     model = tmp_path / "model"
-    make_model(model, 600)  # big enough that the broadcast cannot finish into socket-sized buffers
+    make_model(model, 600)  # more than NCCL's per-channel buffers can take in without a receiver
     _configure(trainer, engines, ["cuda:0", "cuda:1"], model, offload=False, bucket_bytes=64 << 20)
     pool = ThreadPoolExecutor(8)
     syncer = _syncer(trainer, engines, pool, exact=False, timeout_s=10.0)
     try:
+        phase("configured")
         assert syncer.sync({0, 1}).ok == {0, 1}
         trainer.train_step(trainer_pb2.Batch(samples=[SAMPLE]))
+        phase("first sync and a step done; stopping the engine on GPU 1")
         victim = local.children[2].process
         stop_process(victim.pid, failure)
         started = time.monotonic()
         broken = syncer.sync({0, 1})
         took = time.monotonic() - started
-        print(f"{failure}: {took:.1f}s, failures {broken.failures}")
+        phase(f"{failure}: sync returned after {took:.1f}s, failures {broken.failures}")
         assert broken.ok == {0} and engines[1].address in broken.failures
         assert took < 10.0 + 30.0  # the timeout, plus NCCL's abort
 
         trainer.train_step(trainer_pb2.Batch(samples=[SAMPLE]))  # the trainer's GPU is usable
+        phase("the trainer trained on")
         if failure == "stalled":
             os.kill(victim.pid, signal.SIGKILL)
         again = syncer.sync({0})
+        phase(f"next sync: ok {again.ok}, failures {again.failures}")
         assert again.ok == {0} and engines[1].address in again.failures  # dead: left out of the group
         assert _matches(trainer, engines[0], 64 << 20)
     finally:
