@@ -44,6 +44,15 @@ def make_tiny_model(directory: Path, *, seed: int = 0, architecture: str = "qwen
     return directory
 
 
+def make_syncer(trainer, engines, pool, *, plane: str = "auto", exact: bool = False, timeout_s: float):
+    """A WeightSyncer over connected clients, with the capabilities they reported at Configure."""
+    from services.coordinator.weight_sync import WeightSyncer
+
+    return WeightSyncer(trainer=trainer, engines=engines, trainer_caps=trainer.capabilities,
+                        engine_caps=[e.capabilities for e in engines], forced=plane, exact=exact,
+                        timeout_s=timeout_s, token="", pool=pool)
+
+
 def stop_process(pid: int, failure: str, after_s: float = 0.0) -> None:
     """Stop a process mid-sync: SIGSTOP now (or `after_s` from now); with `failure` "killed" it is
     also SIGKILLed a second after that, with "stalled" it stays stopped (the caller kills it)."""

@@ -9,9 +9,8 @@ import pytest
 
 from services.api import rollout_pb2, trainer_pb2
 from services.coordinator.clients import RolloutClient, TrainerClient
-from services.coordinator.weight_sync import WeightSyncer
 from services.launcher import LocalFleet
-from tests.conftest import make_tiny_model
+from tests.conftest import make_syncer, make_tiny_model
 
 pytestmark = pytest.mark.gpu
 
@@ -31,9 +30,7 @@ def test_cuda_ipc_sync_is_bit_exact(tmp_path, offload, exact):
                                                     bucket_bytes=16 << 10,  # several buckets, events, handles
                                                     optimizer=trainer_pb2.OptimizerConfig(lr=1e-2)))
         engine.configure(rollout_pb2.RolloutConfig(model_path=str(model), device="cuda", load_weights=False))
-        syncer = WeightSyncer(trainer=trainer, engines=[engine], trainer_caps=trainer.capabilities,
-                              engine_caps=[engine.capabilities], forced="auto", exact=exact, timeout_s=60,
-                              token="", pool=pool)
+        syncer = make_syncer(trainer, [engine], pool, exact=exact, timeout_s=60)
         assert syncer.planes == ["cuda_ipc"]
         for step in (1, 2, 3):  # later syncs swap memory with the staging that holds the last version
             trainer.train_step(trainer_pb2.Batch(samples=[trainer_pb2.Sample(prompt_ids=[3, 4], response_ids=[5], advantage=1.0)]))

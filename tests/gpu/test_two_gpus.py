@@ -16,9 +16,8 @@ import torch
 
 from services.api import rollout_pb2, trainer_pb2
 from services.coordinator.clients import RolloutClient, TrainerClient
-from services.coordinator.weight_sync import WeightSyncer
 from services.launcher import LocalFleet
-from tests.conftest import make_tiny_model, stop_fleet, stop_process
+from tests.conftest import make_syncer, make_tiny_model, stop_fleet, stop_process
 
 pytestmark = [
     pytest.mark.gpu,
@@ -50,12 +49,6 @@ def _configure(trainer, engines, devices, model, *, offload, bucket_bytes=16 << 
         engine.configure(rollout_pb2.RolloutConfig(model_path=str(model), device=device, load_weights=False, seed=7))
 
 
-def _syncer(trainer, engines, pool, *, exact, timeout_s=60.0):
-    return WeightSyncer(trainer=trainer, engines=engines, trainer_caps=trainer.capabilities,
-                        engine_caps=[e.capabilities for e in engines], forced="auto", exact=exact,
-                        timeout_s=timeout_s, token="", pool=pool)
-
-
 def _matches(trainer, engine, bucket_bytes) -> bool:
     manifest = trainer.weight_manifest("sha256")
     version, prints = engine.fingerprints("sha256", bucket_bytes)
@@ -71,7 +64,7 @@ def test_an_nccl_sync_from_gpu_0_to_gpu_1_is_bit_exact(fleet, tmp_path, offload,
     _configure(trainer, [engine], ["cuda:1"], model, offload=offload)
     assert not _matches(trainer, engine, 16 << 10)  # the scrambled start
     pool = ThreadPoolExecutor(4)
-    syncer = _syncer(trainer, [engine], pool, exact=exact)
+    syncer = make_syncer(trainer, [engine], pool, exact=exact, timeout_s=60.0)
     try:
         assert syncer.planes == ["broadcast"]
         groups = set()
@@ -97,7 +90,7 @@ def test_one_sync_reaches_an_engine_beside_the_trainer_and_one_on_the_other_gpu(
     model = make_tiny_model(tmp_path / "model")
     _configure(trainer, engines, ["cuda:0", "cuda:1"], model, offload=True)
     pool = ThreadPoolExecutor(4)
-    syncer = _syncer(trainer, engines, pool, exact=False)
+    syncer = make_syncer(trainer, engines, pool, timeout_s=60.0)
     try:
         assert syncer.planes == ["cuda_ipc", "broadcast"]
         for _ in range(2):
@@ -131,7 +124,7 @@ def test_an_engine_lost_during_an_nccl_broadcast_fails_alone_and_the_trainer_tra
     make_model(model, 600)  # more than NCCL's per-channel buffers can take in without a receiver
     _configure(trainer, engines, ["cuda:0", "cuda:1"], model, offload=False, bucket_bytes=64 << 20)
     pool = ThreadPoolExecutor(8)
-    syncer = _syncer(trainer, engines, pool, exact=False, timeout_s=10.0)
+    syncer = make_syncer(trainer, engines, pool, timeout_s=10.0)
     try:
         phase("configured")
         assert syncer.sync({0, 1}).ok == {0, 1}

@@ -17,7 +17,7 @@ from services.coordinator.clients import RolloutClient, TrainerClient
 from services.coordinator.weight_sync import WeightSyncer, choose_plane
 from services.launcher import LocalFleet
 from services.api import weights_pb2
-from tests.conftest import stop_fleet, stop_process
+from tests.conftest import make_syncer, stop_fleet, stop_process
 from tests.integration.conftest import channel
 
 pytestmark = pytest.mark.faults
@@ -160,11 +160,7 @@ def trainer_and_two_engines(tmp_path, mid_model):
 def test_a_failing_engine_mid_broadcast_leaves_trainer_and_others_usable(trainer_and_two_engines, failure):
     local, trainer, engines = trainer_and_two_engines
     pool = ThreadPoolExecutor(8)
-    syncer = WeightSyncer(
-        trainer=trainer, engines=engines, trainer_caps=trainer.capabilities,
-        engine_caps=[e.capabilities for e in engines], forced="broadcast", exact=False, timeout_s=4.0,
-        token="", pool=pool,
-    )
+    syncer = make_syncer(trainer, engines, pool, plane="broadcast", timeout_s=4.0)
     first = syncer.sync({0, 1})
     assert first.ok == {0, 1} and not first.failures
     trainer.train_step(trainer_pb2.Batch(samples=[trainer_pb2.Sample(prompt_ids=[3, 4], response_ids=[5], advantage=1.0)]))
@@ -200,11 +196,7 @@ def test_an_engine_stopped_during_a_sync_leaves_trainer_and_others_usable(traine
     it is still stalled, and the next sync reaches the other engine."""
     local, trainer, engines = trainer_and_two_engines
     pool = ThreadPoolExecutor(8)
-    syncer = WeightSyncer(
-        trainer=trainer, engines=engines, trainer_caps=trainer.capabilities,
-        engine_caps=[e.capabilities for e in engines], forced=plane, exact=False, timeout_s=4.0,
-        token="", pool=pool,
-    )
+    syncer = make_syncer(trainer, engines, pool, plane=plane, timeout_s=4.0)
     sample = trainer_pb2.Sample(prompt_ids=[3, 4], response_ids=[5], advantage=1.0)
     try:
         assert syncer.sync({0, 1}).ok == {0, 1}
@@ -239,11 +231,7 @@ def test_a_push_that_fails_at_once_does_not_hold_the_engines_until_their_timeout
     _, trainer, engines = trainer_and_two_engines
     pool = ThreadPoolExecutor(8)
     try:
-        syncer = WeightSyncer(
-            trainer=trainer, engines=engines, trainer_caps=trainer.capabilities,
-            engine_caps=[e.capabilities for e in engines], forced="broadcast", exact=False, timeout_s=60.0,
-            token="", pool=pool,
-        )
+        syncer = make_syncer(trainer, engines, pool, plane="broadcast", timeout_s=60.0)
         assert not syncer.sync({0, 1}).failures
         real_push = trainer.push_weights
         trainer.push_weights = lambda plane, version, *a, **kw: real_push(plane, version + 999, *a, **kw)
@@ -268,11 +256,7 @@ def test_a_trainer_stalled_mid_sync_fails_the_sync_within_the_timeout_and_recove
     again, the next sync forms a new group and reaches both engines."""
     local, trainer, engines = trainer_and_two_engines
     pool = ThreadPoolExecutor(8)
-    syncer = WeightSyncer(
-        trainer=trainer, engines=engines, trainer_caps=trainer.capabilities,
-        engine_caps=[e.capabilities for e in engines], forced="broadcast", exact=False, timeout_s=4.0,
-        token="", pool=pool,
-    )
+    syncer = make_syncer(trainer, engines, pool, plane="broadcast", timeout_s=4.0)
     pid = local.children[0].process.pid
     try:
         assert syncer.sync({0, 1}).ok == {0, 1}
@@ -315,9 +299,7 @@ def test_a_killed_trainer_leaves_nothing_in_dev_shm(tmp_path, tiny_model_dir):
         local.wait_ready()
         trainer, engine = TrainerClient(local.children[0].address), RolloutClient(local.children[1].address)
         _configure(trainer, [engine], tiny_model_dir)
-        syncer = WeightSyncer(trainer=trainer, engines=[engine], trainer_caps=trainer.capabilities,
-                              engine_caps=[engine.capabilities], forced="shm", exact=False, timeout_s=30.0,
-                              token="", pool=pool)
+        syncer = make_syncer(trainer, [engine], pool, plane="shm", timeout_s=30.0)
         before = set(os.listdir(SHM_DIR))
         assert syncer.sync({0}).ok == {0}
         made = [n for n in set(os.listdir(SHM_DIR)) - before if n.startswith("rlfleet-")]
