@@ -96,15 +96,6 @@ class WeightGroup:
         if self._error is not None:
             raise WeightSyncError(f"group {self.name!r}: could not form: {self._error}") from self._error
 
-    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
-        """Send (rank src) or receive (others) one flat tensor, in place."""
-        self.wait_ready()
-        try:
-            work = self._pg.broadcast([tensor], _options(src))
-            work.wait(self.timeout)
-        except RuntimeError as e:
-            raise WeightSyncError(f"group {self.name!r}: broadcast failed on rank {self.rank}: {e}") from e
-
     def broadcast_bucket(self, flat: torch.Tensor, src: int = 0, on_part: Callable[[int], None] | None = None) -> None:
         """Broadcast one flat uint8 bucket (see `broadcast_buckets`)."""
         self.broadcast_buckets([flat], src, None if on_part is None else lambda _, n: on_part(n))
