@@ -156,9 +156,10 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
                 log.warning("update to version %d failed: %s", manifest.version, reason)
                 raise WeightSyncError(engine.last_error) from e
             seconds = time.perf_counter() - started
-            log.info("weights version %d: %.1f MB in %.3fs (checking the manifest %.3fs, receiving and verifying "
-                     "%.3fs, loading into the model %.3fs)", manifest.version, copied / 1e6, seconds, checked - started,
-                     seconds - (checked - started) - engine.last_apply_seconds, engine.last_apply_seconds)
+            log.info("weights version %d: %.1f MB in %.1f ms (checking the manifest %.1f ms, receiving and verifying "
+                     "%.1f ms, loading into the model %.1f ms)", manifest.version, copied / 1e6, 1e3 * seconds,
+                     1e3 * (checked - started), 1e3 * (seconds - (checked - started) - engine.last_apply_seconds),
+                     1e3 * engine.last_apply_seconds)
             return rollout_pb2.UpdateWeightsResponse(
                 version=manifest.version,
                 fingerprints=[b.fingerprint for b in manifest.buckets],

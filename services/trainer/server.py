@@ -243,10 +243,10 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
                 manifest=self._manifests.encode(manifest), seconds=seconds, shm_segments=names,
                 cuda_ipc_handles=handles, release_required=staged,
             )
-            log.info("pushed weights version %d over %s: %.3fs (manifest %.3fs, sending %.3fs), reply %.3fs",
-                     manifest.version, weights_pb2.WeightPlane.Name(request.plane), seconds,
-                     self._pusher.last_manifest_seconds, seconds - self._pusher.last_manifest_seconds,
-                     time.perf_counter() - started)
+            log.info("pushed weights version %d over %s: %.1f ms (manifest %.1f ms, sending %.1f ms), reply %.1f ms",
+                     manifest.version, weights_pb2.WeightPlane.Name(request.plane), 1e3 * seconds,
+                     1e3 * self._pusher.last_manifest_seconds, 1e3 * (seconds - self._pusher.last_manifest_seconds),
+                     1e3 * (time.perf_counter() - started))
             return reply
 
     def ReleaseWeights(self, request, context):
