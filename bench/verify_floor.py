@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from bench.common import emit, median_seconds, record  # noqa: E402
+from bench.common import emit, record  # noqa: E402
 
 GOALS = {"shm": 0.7, "broadcast": 0.85, "cuda_ipc": 0.5, "cuda_ipc_host": 0.85}
 
