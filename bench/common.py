@@ -58,6 +58,27 @@ def emit(line: dict, out: Path | None = None) -> None:
             f.write(text + "\n")
 
 
+def two_ranks(argv: Callable[[int, int], list[str]], timeout_s: float = 600) -> str:
+    """Run a measurement as two processes, rank 1 then rank 0, each started as `argv(rank, port)`
+    with one free port for their store; returns rank 0's stdout, after both have exited cleanly."""
+    from services.weights.broadcast import free_port
+
+    port = free_port()
+    peer = subprocess.Popen(argv(1, port))
+    try:
+        out = subprocess.run(argv(0, port), capture_output=True, text=True, timeout=timeout_s)
+        if out.returncode != 0:
+            raise RuntimeError(f"rank 0 failed (exit {out.returncode}): {out.stderr[-2000:]}")
+        peer_rc = peer.wait(timeout=60)
+    finally:
+        if peer.poll() is None:  # rank 0 failed or timed out: rank 1 would wait for it forever
+            peer.kill()
+            peer.wait()
+    if peer_rc != 0:
+        raise RuntimeError(f"rank 1 failed (exit {peer_rc}); its output is above")
+    return out.stdout
+
+
 def median_seconds(fn: Callable[[], None], repeats: int = 3, warmup: int = 1) -> float:
     for _ in range(warmup):
         fn()

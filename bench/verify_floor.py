@@ -28,7 +28,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -37,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from bench.common import emit, record  # noqa: E402
+from bench.common import emit, median_seconds, record, two_ranks  # noqa: E402
 
 GOALS = {"shm": 0.7, "broadcast": 0.85, "cuda_ipc": 0.5, "cuda_ipc_host": 0.85}
 
@@ -90,7 +89,7 @@ def shm_floor(nbytes: int, repeats: int) -> dict:
             f.result()
 
     limit_s, sequential_s = _alternating(lambda: dst.copy_(src), sequential, repeats)
-    _, pipelined_s = _alternating(lambda: None, pipelined, repeats)
+    pipelined_s = median_seconds(pipelined, repeats=repeats)
     return _line("shm", nbytes, "memcpy", limit_s, min(sequential_s, pipelined_s),
                  sequential_seconds=round(sequential_s, 5), pipelined_seconds=round(pipelined_s, 5))
 
@@ -140,16 +139,9 @@ def _gloo_peer(rank: int, port: int, nbytes: int, repeats: int) -> None:
 
 
 def gloo_floor(nbytes: int, repeats: int) -> dict:
-    from services.weights.broadcast import free_port
-
-    port = free_port()
-    argv = [sys.executable, __file__, "--gloo-peer", "{rank}", str(port), str(nbytes), str(repeats)]
-    peer = subprocess.Popen([a.format(rank=1) for a in argv])
-    out = subprocess.run([a.format(rank=0) for a in argv], capture_output=True, text=True, timeout=600)
-    peer.wait(timeout=60)
-    if out.returncode != 0:
-        raise RuntimeError(f"gloo floor: rank 0 failed: {out.stderr[-2000:]}")
-    medians = json.loads(out.stdout.strip().splitlines()[-1])
+    out = two_ranks(lambda rank, port: [sys.executable, __file__, "--gloo-peer", str(rank), str(port), str(nbytes),
+                                        str(repeats)])
+    medians = json.loads(out.strip().splitlines()[-1])
     return _line("broadcast", nbytes, "gloo_broadcast", medians["bare"], min(medians["sequential"], medians["overlapped"]),
                  backend="gloo", sequential_seconds=round(medians["sequential"], 5),
                  overlapped_seconds=round(medians["overlapped"], 5))

@@ -18,7 +18,6 @@ import argparse
 import contextlib
 import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -31,7 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import emit, median_seconds, record  # noqa: E402
+from bench.common import emit, median_seconds, record, two_ranks  # noqa: E402
 from services.api import rollout_pb2, trainer_pb2  # noqa: E402
 from services.coordinator.clients import RolloutClient, TrainerClient  # noqa: E402
 from services.coordinator.weight_sync import WeightSyncer  # noqa: E402
@@ -147,13 +146,8 @@ os._exit(0)  # gloo's destructor aborts at interpreter exit
 
 
 def gloo_limit(nbytes: int) -> float:
-    from services.weights.broadcast import free_port
-
-    port = free_port()
-    peer = subprocess.Popen([sys.executable, "-c", _GLOO_PEER, "1", str(port), str(nbytes)])
-    out = subprocess.run([sys.executable, "-c", _GLOO_PEER, "0", str(port), str(nbytes)], capture_output=True, text=True, check=True)
-    peer.wait()
-    return nbytes / float(out.stdout.strip()) / 1e9
+    out = two_ranks(lambda rank, port: [sys.executable, "-c", _GLOO_PEER, str(rank), str(port), str(nbytes)])
+    return nbytes / float(out.strip()) / 1e9
 
 
 _NCCL_PEER = """
@@ -179,14 +173,8 @@ os._exit(0)
 def nccl_limit(nbytes: int) -> float:
     """A bare NCCL broadcast of one flat tensor from GPU 0 to GPU 1, one process each (as the
     trainer and the engine are): the median of five after a warm-up."""
-    from services.weights.broadcast import free_port
-
-    port = free_port()
-    peer = subprocess.Popen([sys.executable, "-c", _NCCL_PEER, "1", str(port), str(nbytes)])
-    out = subprocess.run([sys.executable, "-c", _NCCL_PEER, "0", str(port), str(nbytes)], capture_output=True, text=True, check=True)
-    if peer.wait() != 0:
-        raise RuntimeError("the NCCL limit's receiving process failed")
-    return nbytes / float(out.stdout.split()[-1]) / 1e9  # NCCL may print its version first
+    out = two_ranks(lambda rank, port: [sys.executable, "-c", _NCCL_PEER, str(rank), str(port), str(nbytes)])
+    return nbytes / float(out.split()[-1]) / 1e9  # NCCL may print its version first
 
 
 # ---- planes -------------------------------------------------------------------------------------

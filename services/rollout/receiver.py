@@ -118,13 +118,12 @@ def receive_cuda_ipc(source: weights_pb2.CudaIpcSource, manifest: Manifest, stag
     buffers = staging.buffers(manifest)
     if manifest.fingerprint_algo == "fast" and all(fast_cuda.available(b) for b in buffers):
         prints = fast_cuda.copy_and_fingerprint((flat, views[k]) for k, flat in enumerate(buffers))
-        copied = time.perf_counter()
-        verify_buckets(manifest, buffers, computed=prints)
     else:
         for k, flat in enumerate(buffers):
             flat.copy_(views[k])
-        copied = time.perf_counter()
-        verify_buckets(manifest, buffers)
+        prints = None  # verify_buckets fingerprints the copies
+    copied = time.perf_counter()
+    verify_buckets(manifest, buffers, computed=prints)
     log.debug("cuda_ipc version %d: %d handles opened in %.2f ms, copying and fingerprinting %.2f ms in all, "
               "verifying %.2f ms", manifest.version, len(handles), 1e3 * views.opening_seconds,
               1e3 * (copied - started), 1e3 * (time.perf_counter() - copied))
