@@ -27,7 +27,11 @@ class Staging:
     """Two sets of flat uint8 receive buffers (one buffer per bucket), used in turn.
 
     A verified set is adopted by the model as its weights (no copy), so the next update is
-    received into the other set; each set is reused while the bucket sizes stay the same."""
+    received into the other set; each set is reused while the bucket sizes stay the same.
+
+    Which set the model holds is tracked by index, never by the identity of the list a receiver
+    hands back: receivers may return a copy of the list, and a wrong guess here means the next
+    update is written straight into the weights being served."""
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -35,17 +39,21 @@ class Staging:
         self._adopted = 1  # the set the model holds; the next receive goes to the other one
 
     def buffers(self, manifest: Manifest) -> list[torch.Tensor]:
+        """The set to receive into: never the one the model holds."""
         sizes = [b.nbytes for b in manifest.buckets]
         free = 1 - self._adopted
         if [b.numel() for b in self._sets[free]] != sizes:
             self._sets[free] = [torch.empty(n, dtype=torch.uint8, device=self.device) for n in sizes]
-        return self._sets[free]
+        return list(self._sets[free])
 
-    def adopted(self, buffers: list[torch.Tensor], swapped: bool = False) -> None:
-        """The model now holds `buffers` (a set from `buffers()`), or, `swapped`, their bytes:
+    def adopted(self, buffers: Sequence[torch.Tensor], swapped: bool = False) -> None:
+        """The model now holds `buffers` (the set `buffers()` gave), or, `swapped`, their bytes:
         then the set holds the model's previous weights and is the one to receive into next."""
+        free = 1 - self._adopted
+        if len(buffers) != len(self._sets[free]) or any(a is not b for a, b in zip(buffers, self._sets[free])):
+            raise AssertionError("Staging.adopted: the buffers are not the set handed out for receiving")
         if not swapped:
-            self._adopted = 0 if buffers is self._sets[0] else 1
+            self._adopted = free
 
     def clear(self) -> None:
         """Free the set the model does not hold (the engine's weights are being released)."""

@@ -60,7 +60,8 @@ def test_later_updates_swap_memory_and_receiving_never_touches_served_weights(ti
     if engine.swapped:  # the buffers just received now hold version 1's bytes, and take the next update
         assert all(torch.equal(b, f) for b, f in zip(second, _packed(w1, 1)[1]))
     receiving = staging.buffers(_packed(w3, 3)[0])
-    assert receiving is (second if engine.swapped else first)
+    expected = second if engine.swapped else first
+    assert all(r is e for r, e in zip(receiving, expected))
     for buffer in receiving:
         buffer.fill_(0xAB)  # a receive in progress
     assert _serves(engine, w2)
@@ -90,3 +91,19 @@ def test_an_update_of_another_layout_and_a_released_engine_take_the_full_path(ti
     assert not engine.swapped and _serves(engine, w3) and engine.serving
     _update(engine, staging, w1, 4, bucket_bytes=BUCKET_BYTES // 2)
     assert engine.swapped == engine_module._CAN_SWAP and _serves(engine, w1)
+
+
+def test_staging_never_hands_out_the_set_the_model_holds_whatever_list_comes_back(tiny_model_dir):
+    """Receivers hand back copies of the buffer list (the grpc_stream receiver did): the set
+    the model adopted must still be known, or the next update is written into live weights."""
+    engine = RolloutEngine(RolloutSettings(model_path=str(tiny_model_dir)))
+    staging = Staging(engine.device)
+    manifest, _ = _packed(_trainer_weights(engine, 7), 1)
+    first = staging.buffers(manifest)
+    staging.adopted(list(first))  # adopted tensor by tensor: the model holds `first` now
+    second = staging.buffers(manifest)
+    assert not any(a is b for a, b in zip(first, second))
+    staging.adopted(list(second), swapped=True)  # swapped: `second` holds the previous weights
+    assert all(a is b for a, b in zip(staging.buffers(manifest), second))
+    with pytest.raises(AssertionError, match="not the set handed out"):
+        staging.adopted(list(first))
