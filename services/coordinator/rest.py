@@ -210,6 +210,21 @@ _JOB_ERRORS = {404: {"model": Error, "description": "no job with this id"}}
 _BAD_REQUEST = {400: {"model": Error, "description": "malformed request; the message names the field"}}
 
 
+def _known_query_only(request: Request) -> None:
+    """A query parameter the route does not take is a mistake (a misspelt `page_size` would
+    otherwise be ignored silently): 400 naming it."""
+    route = request.scope.get("route")
+    allowed, todo = set(), [route.dependant] if route is not None else []
+    while todo:  # the route's own parameters and its dependencies'
+        dependant = todo.pop()
+        allowed |= {p.alias for p in dependant.query_params}
+        todo += dependant.dependencies
+    unknown = sorted(set(request.query_params) - allowed)
+    if unknown:
+        raise HTTPException(400, f"query: unknown parameter {unknown[0]!r}"
+                                 + (f" (this route takes {', '.join(sorted(allowed))})" if allowed else ""))
+
+
 def create_app(manager: JobManager, token: str | None = None) -> FastAPI:
     """The REST API over `manager`; with `token`, every /v1 route needs `Authorization: Bearer <token>`."""
     app = FastAPI(
@@ -225,7 +240,7 @@ def create_app(manager: JobManager, token: str | None = None) -> FastAPI:
             raise HTTPException(401, "missing or invalid bearer token", headers={"WWW-Authenticate": "Bearer"})
 
     register_url_convertor("job_id", _JobIdConvertor())  # idempotent; Starlette keeps convertors in a table
-    guarded = [Depends(authenticate)] if token else []
+    guarded = ([Depends(authenticate)] if token else []) + [Depends(_known_query_only)]
     auth_errors = {401: {"model": Error, "description": "missing or invalid bearer token"}} if token else {}
 
     def v1(method: str, path: str, responses: dict | None = None, **kwargs):

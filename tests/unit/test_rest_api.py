@@ -89,6 +89,8 @@ def test_create_get_list_cancel_and_errors(api, tiny_model_dir, task_files):
     listed = client.get("/v1/jobs", params={"state": "failed", "page_size": 1}, headers=AUTH).json()
     assert len(listed["jobs"]) == 1 and listed["next_page_token"]
     assert client.get("/v1/jobs", params={"page_token": "junk"}, headers=AUTH).status_code == 400
+    misspelt = client.get("/v1/jobs", params={"pagesize": 1}, headers=AUTH)  # not silently ignored
+    assert misspelt.status_code == 400 and "unknown parameter 'pagesize'" in misspelt.json()["detail"]
     assert client.get("/v1/jobs", params={"state": "asleep"}, headers=AUTH).status_code == 400
 
 
