@@ -1,10 +1,11 @@
-"""The rollout engine's state: a model, its tokenizer, the weight version it serves, and whether
-it is in the generation pool.
+"""The built-in rollout engine (`engine: torch`): a model, its tokenizer, the weight version it
+serves, whether it is in the generation pool, and the paged generation core that runs it.
 
 Weight updates are staged outside the model and verified before anything is copied in; the copy
-happens under the same lock generation takes, so a request sees either the old weights or the
-new ones, never a mix. After an update that failed past validation the engine leaves the pool
-(`serving` false) until a full update succeeds.
+(or, on a CPU, the adoption of the staged buffers) happens under the same lock generation takes,
+so a call sees either the old weights or the new ones, never a mix. On a GPU updates always copy
+into the weights' own memory: captured decode graphs hold those addresses. After an update that
+failed past validation the engine leaves the pool (`serving` false) until a full update succeeds.
 """
 
 from __future__ import annotations
@@ -12,13 +13,15 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
 from services.models import load_hf_dir, load_tokenizer, memory
 from services.models.checkpoint import checkpoint_step, load_config
 from services.models.decoder import DecoderLM, init_weights
-from services.rollout.torch_engine import Generation, Sampling, generate
+from services.rollout.builtin.core import CoreSettings, GenerationCore
+from services.rollout.types import Generation, Sampling
 from services.weights.apply import adoption_plan, load_buckets_into, named_weights
 from services.weights.buckets import Manifest, dtype_name, pack_bucket, parse_dtype, plan_buckets
 from services.weights.errors import WeightSyncError
@@ -47,14 +50,19 @@ class RolloutSettings:
     seed: int = 0
     max_batch_size: int = 256
     load_weights: bool = True
+    kv_cache_fraction: float = 0.5  # of the device memory free when the KV pool is made (GPU)
+    cuda_graphs: bool = True
 
     def __post_init__(self) -> None:
         if not self.model_path:
             raise ValueError("model_path: required")
         if self.engine != "torch":
             raise ValueError(f"engine: unknown engine {self.engine!r} (available: 'torch')")
-        if self.max_batch_size < 1:
-            raise ValueError("max_batch_size: must be >= 1")
+        self.core_settings()  # names a bad field
+
+    def core_settings(self) -> CoreSettings:
+        return CoreSettings(max_batch_size=self.max_batch_size, kv_cache_fraction=self.kv_cache_fraction,
+                            cuda_graphs=self.cuda_graphs)
 
 
 class RolloutEngine:
@@ -78,6 +86,7 @@ class RolloutEngine:
         self._params = list(self.model.parameters())
         self._named = dict(named_weights(self.model))  # the same tensor objects for the engine's life
         memory.make_resizable(self._params)
+        self.core = GenerationCore(self.model, self.tokenizer, self.device, settings.core_settings())
         self._param_sizes: list[int] = []
         self.last_apply_seconds = 0.0  # of the last update: loading verified buckets into the model
         self._manifests = ManifestReader(self.expected_tensors())
@@ -86,6 +95,7 @@ class RolloutEngine:
         # swaps each storage's memory with its new buffer's, one swap per bucket.
         self._arranged: tuple[tuple, list[torch.UntypedStorage]] | None = None
         self.swapped = False  # whether the last `apply` swapped memory (see there)
+        self.holds_buffers = False  # whether the model took the last `apply`'s buffers as its weights
         self._plans: list[tuple[tuple, list]] = []  # adoption plans of owned buffer sets, newest first
         self._lock = threading.Lock()
 
@@ -93,17 +103,16 @@ class RolloutEngine:
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.model.parameters())
 
-    def generate(self, prompts_ids: list[list[int]], sampling: Sampling) -> tuple[list[Generation], int]:
+    def generate(self, prompts_ids: list[list[int]], sampling: Sampling,
+                 cancelled: Callable[[], bool] | None = None) -> tuple[list[Generation], int]:
+        """Completions and the one weight version that made all of them. `cancelled` is polled
+        between decode rounds; when it says so the call stops (GenerationCancelled)."""
         with self._lock:
             if self.released:
                 raise EngineUnavailable(f"engine memory is released ({', '.join(sorted(self.released))}): call ResumeMemory")
             if not self.serving:
                 raise EngineUnavailable(f"engine is out of the generation pool: {self.last_error}")
-            results = generate(
-                self.model, self.tokenizer, prompts_ids, sampling,
-                max_batch_size=self.settings.max_batch_size, device=self.device,
-            )
-            return results, self.weight_version
+            return self.core.generate(prompts_ids, sampling, cancelled), self.weight_version
 
     def expected_tensors(self) -> dict[str, tuple[str, tuple[int, ...]]]:
         return {name: (dtype_name(t.dtype), tuple(t.shape)) for name, t in self._named.items()}
@@ -128,6 +137,7 @@ class RolloutEngine:
         (Swapping needs torch >= 2.13; before that, owned buffers are adopted tensor by tensor
         with the views made once per buffer set.)"""
         started = time.perf_counter()
+        adopt = adopt and not self.core.stable_weights
         with self._lock:
             if "weights" in self.released:
                 raise EngineStateError("UpdateWeights: weights are released; call ResumeMemory(weights) first")
@@ -146,6 +156,7 @@ class RolloutEngine:
                 bad = next(i for i, (a, e) in enumerate(zip(actual, expected)) if a != e)
                 self._leave_pool_locked(f"bucket {bad} reads back as {actual[bad]}, expected {expected[bad]}")
                 raise WeightSyncError(f"weights did not verify after loading: {self.last_error}")
+            self.holds_buffers = adopt and not self.swapped
             self.weight_version = manifest.version
             self.serving, self.last_error = True, ""
             self.last_apply_seconds = time.perf_counter() - started
@@ -193,12 +204,15 @@ class RolloutEngine:
         only after ResumeMemory and a full weight update."""
         tags = _check_tags(tags)
         with self._lock:
+            if "kv_cache" in tags:
+                self.core.release()  # the KV pool, and the graphs that hold its addresses
+            if "weights" in tags:
+                self.core.drop_graphs()  # they hold the weights' addresses, which reallocating moves
             if "weights" in tags and "weights" not in self.released:
                 self._arranged, self._plans = None, []
                 memory.drop_fixed_storage(self._params)  # adopted shm segments are the trainer's
                 self._param_sizes = memory.release(self._params)
                 self._leave_pool_locked("weights were released; waiting for a full weight update")
-            # The torch engine allocates its KV cache per Generate call: nothing stays allocated.
             self.released |= set(tags)
 
     def resume_memory(self, tags: list[str]) -> None:

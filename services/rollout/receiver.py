@@ -46,13 +46,14 @@ class Staging:
             self._sets[free] = [torch.empty(n, dtype=torch.uint8, device=self.device) for n in sizes]
         return list(self._sets[free])
 
-    def adopted(self, buffers: Sequence[torch.Tensor], swapped: bool = False) -> None:
-        """The model now holds `buffers` (the set `buffers()` gave), or, `swapped`, their bytes:
-        then the set holds the model's previous weights and is the one to receive into next."""
+    def adopted(self, buffers: Sequence[torch.Tensor], kept: bool = True) -> None:
+        """The model has loaded `buffers` (the set `buffers()` gave). `kept`: it holds them as its
+        weights from now on. Otherwise it copied or swapped their bytes in, and the set (then
+        holding nothing the model uses) is the one to receive into next."""
         free = 1 - self._adopted
         if len(buffers) != len(self._sets[free]) or any(a is not b for a, b in zip(buffers, self._sets[free])):
             raise AssertionError("Staging.adopted: the buffers are not the set handed out for receiving")
-        if not swapped:
+        if kept:
             self._adopted = free
 
     def clear(self) -> None:

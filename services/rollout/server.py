@@ -193,7 +193,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
                 self._groups.pop(group.name).close()  # a broken collective cannot be reused
                 raise
         copied = engine.apply(manifest, buffers, read_back=read_back, adopt=True, owned=True)
-        self._staging.adopted(buffers, swapped=engine.swapped)
+        self._staging.adopted(buffers, kept=engine.holds_buffers)
         self._shm.release()  # no longer serving a trainer's segments, if it ever did
         return copied
 

@@ -1,77 +1,26 @@
-"""The built-in generation engine: batched sampling from a `DecoderLM` with a KV cache.
+"""The eager reference generator: batched sampling from a `DecoderLM` with its dense KV cache.
 
-This is the engine core the rollout service runs when no external engine (e.g. SGLang) is used,
-and it has no gRPC in it. Prompts are repeated `n` times, left-padded into batches, prefilled once
-and then decoded one token per step; sequences that finish are dropped from the batch once enough
-of them have, so the long tail of an RL rollout does not pay for the whole batch.
-
-Conventions, chosen so a trainer can consume the results without re-deriving them:
-
-- `logprobs[k]` is log_softmax of the *raw* model logits (temperature 1, no top-k / top-p) at
-  output token k. The trainer recomputes exactly this quantity from a forward pass, and the RL
-  loss compares the two, so it must not depend on the sampling settings.
-- `output_ids` include the token that ended the sequence (eos or a stop token id), with its
-  logprob, so the policy also learns to stop. `text` is decoded with special tokens skipped.
-- On a stop string, `output_ids` keep every token up to and including the one that completed it,
-  and `text` is cut right after the stop string (a multi-character token may reach past it).
-- With a `seed`, the same prompts, sampling settings and `max_batch_size` give the same outputs;
-  one generator drives each batch, so changing the batching changes the draws.
+The rollout service runs the paged engine (`services.rollout.builtin`); this plain loop over the
+model's own forward is kept as the reference that engine is tested and benchmarked against
+(`bench/rollout.py` reports both). Prompts are repeated `n` times, left-padded into batches,
+prefilled once and then decoded one token per step; sequences that finish are dropped from the
+batch once enough of them have. The conventions of `services.rollout.types` hold here too; with
+a `seed`, the same prompts, sampling settings and `max_batch_size` give the same outputs (one
+torch generator drives each batch, so changing the batching changes the draws).
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 
 from services.models.decoder import DecoderLM, KVCache
 from services.models.tokenizer import Tokenizer
+from services.rollout.types import Generation, Sampling, validate_prompts
 
 # Drop finished rows from the KV cache once at most this fraction of the rows is still running:
 # a copy of the cache costs about as much as a few decode steps, so doing it on every finish
 # would cost more than it saves.
 _COMPACT_FRACTION = 0.75
-
-
-@dataclass(frozen=True, kw_only=True)
-class Sampling:
-    """Sampling settings for one `generate` call. temperature 0 means greedy."""
-
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0  # 0: no top-k filtering
-    max_new_tokens: int = 128
-    stop: tuple[str, ...] = ()
-    stop_token_ids: tuple[int, ...] = ()
-    n: int = 1
-    seed: int | None = None
-    ignore_eos: bool = False
-
-    def __post_init__(self) -> None:
-        if not self.temperature >= 0:
-            raise ValueError(f"temperature: must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p: must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k: must be >= 0, got {self.top_k}")
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens: must be >= 1, got {self.max_new_tokens}")
-        if self.n < 1:
-            raise ValueError(f"n: must be >= 1, got {self.n}")
-        if any(not s for s in self.stop):
-            raise ValueError("stop: stop strings must be non-empty")
-
-
-@dataclass(frozen=True)
-class Generation:
-    """One sampled completion of prompt `prompt_index`; finish_reason is "stop" or "length"."""
-
-    prompt_index: int
-    prompt_ids: list[int]
-    output_ids: list[int]
-    text: str
-    logprobs: list[float]
-    finish_reason: str
 
 
 def generate(
@@ -115,20 +64,7 @@ def _validate(
 ) -> None:
     if max_batch_size < 1:
         raise ValueError(f"max_batch_size: must be >= 1, got {max_batch_size}")
-    vocab_size = model.config.vocab_size
-    max_positions = model.config.max_position_embeddings
-    for i, prompt in enumerate(prompts_ids):
-        if not prompt:
-            raise ValueError(f"prompts_ids: prompt {i} is empty")
-        if min(prompt) < 0 or max(prompt) >= vocab_size:
-            raise ValueError(f"prompts_ids: prompt {i} has token ids outside [0, {vocab_size})")
-        if len(prompt) + sampling.max_new_tokens > max_positions:
-            raise ValueError(
-                f"max_new_tokens: prompt {i} has {len(prompt)} tokens, and {len(prompt)} + "
-                f"{sampling.max_new_tokens} exceeds max_position_embeddings={max_positions}"
-            )
-    if any(not 0 <= t < vocab_size for t in sampling.stop_token_ids):
-        raise ValueError(f"stop_token_ids: ids must be in [0, {vocab_size})")
+    validate_prompts(prompts_ids, sampling, model.config.vocab_size, model.config.max_position_embeddings)
 
 
 def _generate_batch(

@@ -38,7 +38,7 @@ def _update(engine: RolloutEngine, staging: Staging, weights, version: int, buck
     for buffer, flat in zip(buffers, flats):
         buffer.copy_(flat)
     engine.apply(manifest, buffers, adopt=True, owned=True)
-    staging.adopted(buffers, swapped=engine.swapped)
+    staging.adopted(buffers, kept=engine.holds_buffers)
     return buffers, flats
 
 
@@ -100,10 +100,10 @@ def test_staging_never_hands_out_the_set_the_model_holds_whatever_list_comes_bac
     staging = Staging(engine.device)
     manifest, _ = _packed(_trainer_weights(engine, 7), 1)
     first = staging.buffers(manifest)
-    staging.adopted(list(first))  # adopted tensor by tensor: the model holds `first` now
+    staging.adopted(list(first), kept=True)  # adopted tensor by tensor: the model holds `first` now
     second = staging.buffers(manifest)
     assert not any(a is b for a, b in zip(first, second))
-    staging.adopted(list(second), swapped=True)  # swapped: `second` holds the previous weights
+    staging.adopted(list(second), kept=False)  # swapped: `second` holds the previous weights
     assert all(a is b for a, b in zip(staging.buffers(manifest), second))
     with pytest.raises(AssertionError, match="not the set handed out"):
-        staging.adopted(list(first))
+        staging.adopted(list(first), kept=True)

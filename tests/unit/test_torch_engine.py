@@ -1,4 +1,5 @@
-"""The KV cache and the built-in generation engine against plain full-sequence forwards."""
+"""The generators against plain full-sequence forwards: the paged engine (`services.rollout.builtin`,
+what the rollout service runs) and the eager reference (`torch_engine`), each test on both."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ import pytest
 import torch
 
 from services.models import DecoderLM, KVCache, ModelConfig, Tokenizer, init_weights, make_char_tokenizer
-from services.rollout.torch_engine import Sampling, generate
+from services.rollout import torch_engine
+from services.rollout.builtin.core import CoreSettings, GenerationCore
+from services.rollout.types import Sampling
 
 torch.set_num_threads(1)
 
@@ -90,7 +93,17 @@ def test_cache_overflow_is_an_error():
 # --- generation ------------------------------------------------------------------------------
 
 
-def test_greedy_equals_uncached_argmax_loop():
+def paged_generate(model, tokenizer, prompts, sampling, *, max_batch_size: int = 256, device="cpu"):
+    core = GenerationCore(model, tokenizer, torch.device(device), CoreSettings(max_batch_size=max_batch_size))
+    return core.generate(prompts, sampling)
+
+
+@pytest.fixture(params=["paged", "eager"])
+def generate(request):
+    return paged_generate if request.param == "paged" else torch_engine.generate
+
+
+def test_greedy_equals_uncached_argmax_loop(generate):
     model = _model()
     prompts = _prompts()
     results = generate(model, TOKENIZER, prompts, Sampling(temperature=0, max_new_tokens=12, ignore_eos=True))
@@ -101,11 +114,16 @@ def test_greedy_equals_uncached_argmax_loop():
         assert result.text == TOKENIZER.decode(expected)
 
 
-def test_rows_finishing_early_leave_others_unchanged(monkeypatch):
-    # Stop ids end rows at different steps, which drops rows from the cache mid-batch.
+def test_rows_finishing_early_leave_others_unchanged(generate, monkeypatch):
+    # Stop ids end rows at different steps: the eager loop drops rows from its cache mid-batch,
+    # the paged engine gives their slots to waiting prompts (max_batch_size 5 < 12 rows).
     compactions = []
     select_rows = KVCache.select_rows
     monkeypatch.setattr(KVCache, "select_rows", lambda self, rows: (compactions.append(len(rows)), select_rows(self, rows)))
+    if generate is paged_generate:
+        from services.rollout.builtin.runner import ModelRunner
+        keep = ModelRunner.keep
+        monkeypatch.setattr(ModelRunner, "keep", lambda self, slots: (compactions.append(len(slots)), keep(self, slots)))
     model = _model()
     prompts = _prompts() * 3
     free = generate(model, TOKENIZER, prompts, Sampling(temperature=0, max_new_tokens=15, ignore_eos=True))
@@ -123,7 +141,7 @@ def test_rows_finishing_early_leave_others_unchanged(monkeypatch):
     assert compactions  # the compaction path ran
 
 
-def test_seeded_sampling_is_reproducible():
+def test_seeded_sampling_is_reproducible(generate):
     model = _model()
     sampling = Sampling(temperature=1.0, top_p=0.95, top_k=8, max_new_tokens=10, n=4, seed=7, ignore_eos=True)
     a = generate(model, TOKENIZER, _prompts(), sampling)
@@ -134,7 +152,7 @@ def test_seeded_sampling_is_reproducible():
     assert len({tuple(r.output_ids) for r in a}) > len(_prompts())  # the n samples differ
 
 
-def test_top_k_1_and_tiny_top_p_are_greedy():
+def test_top_k_1_and_tiny_top_p_are_greedy(generate):
     model = _model()
     greedy = generate(model, TOKENIZER, _prompts(), Sampling(temperature=0, max_new_tokens=8, ignore_eos=True))
     for sampling in (
@@ -145,7 +163,7 @@ def test_top_k_1_and_tiny_top_p_are_greedy():
         assert [r.output_ids for r in sampled] == [r.output_ids for r in greedy]
 
 
-def test_n_samples_are_prompt_major():
+def test_n_samples_are_prompt_major(generate):
     model = _model()
     prompts = _prompts()
     results = generate(model, TOKENIZER, prompts, Sampling(max_new_tokens=3, n=3, seed=0), max_batch_size=5)
@@ -156,7 +174,7 @@ def test_n_samples_are_prompt_major():
             assert results[i * 3 + j].prompt_ids == prompt
 
 
-def test_logprobs_are_raw_log_softmax_of_a_full_forward():
+def test_logprobs_are_raw_log_softmax_of_a_full_forward(generate):
     model = _model(dtype=torch.float32)
     sampling = Sampling(temperature=0.7, top_k=6, top_p=0.9, max_new_tokens=10, n=2, seed=3, ignore_eos=True)
     for result in generate(model, TOKENIZER, _prompts(), sampling):
@@ -168,7 +186,7 @@ def test_logprobs_are_raw_log_softmax_of_a_full_forward():
         assert all(lp <= 0 for lp in result.logprobs)
 
 
-def test_stop_token_and_eos_and_length():
+def test_stop_token_and_eos_and_length(generate):
     model = _model()
     prompt = [TOKENIZER.encode("hello world")]
     free = generate(model, TOKENIZER, prompt, Sampling(temperature=0, max_new_tokens=10, ignore_eos=True))[0]
@@ -188,7 +206,7 @@ def test_stop_token_and_eos_and_length():
     assert (ignored.output_ids, ignored.finish_reason) == (free.output_ids, "length")
 
 
-def test_stop_strings_cut_text_after_the_stop_string():
+def test_stop_strings_cut_text_after_the_stop_string(generate):
     model = _model()
     prompt = [TOKENIZER.encode("abc")]
     free = generate(model, TOKENIZER, prompt, Sampling(temperature=0, max_new_tokens=12, ignore_eos=True))[0]
@@ -204,7 +222,7 @@ def test_stop_strings_cut_text_after_the_stop_string():
     assert result.output_ids == free.output_ids[:end]  # char tokenizer: one token per character
 
 
-def test_eos_is_kept_in_output_ids_but_special_tokens_leave_the_text():
+def test_eos_is_kept_in_output_ids_but_special_tokens_leave_the_text(generate):
     model = _model()
     prompt = [TOKENIZER.encode("hello world")]
     free = generate(model, TOKENIZER, prompt, Sampling(temperature=0, max_new_tokens=8, ignore_eos=True))[0]
@@ -235,7 +253,7 @@ def test_bad_sampling_names_the_field(field, kwargs):
         Sampling(**kwargs)
 
 
-def test_bad_prompts_name_the_field():
+def test_bad_prompts_name_the_field(generate):
     model = _model()
     with pytest.raises(ValueError, match="prompts_ids"):
         generate(model, TOKENIZER, [[3, 4], []], Sampling(max_new_tokens=4))

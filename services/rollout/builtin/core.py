@@ -1,0 +1,144 @@
+"""The built-in engine's generation core: a KV cache, a model runner and a scheduler for one model.
+
+`GenerationCore.generate` is what the rollout engine calls under its lock. The KV pool is made
+at the first call: on a GPU, `kv_cache_fraction` of the memory free at that moment (never more
+than `max_batch_size` rows of `max_position_embeddings` tokens need); on a CPU, just what a full
+batch of this call's longest row needs, grown when a later call needs more. `release` frees the
+pool and the captured graphs (a colocated engine hands its memory to the trainer), and the next
+call makes them again.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from services.models.decoder import DecoderLM
+from services.models.tokenizer import Tokenizer
+from services.rollout.builtin.forward import PagedDecoder, fuse_projections
+from services.rollout.builtin.kv_cache import KVShape, PagedKVCache, blocks_in_budget
+from services.rollout.builtin.ops import TorchOps
+from services.rollout.builtin.runner import ModelRunner
+from services.rollout.builtin.scheduler import Scheduler
+from services.rollout.types import Generation, Sampling, validate_prompts
+
+log = logging.getLogger("rlfleet.rollout")
+
+MAX_PREFILL_TOKENS = 16384  # per prefill forward: bounds its activations
+
+
+@dataclass(frozen=True, kw_only=True)
+class CoreSettings:
+    max_batch_size: int = 256
+    kv_cache_fraction: float = 0.5
+    cuda_graphs: bool = True
+    check_every: int = 0  # decode steps between host checks; 0: 1 on CPU, 8 on a GPU
+
+    def __post_init__(self) -> None:
+        if self.max_batch_size < 1:
+            raise ValueError(f"max_batch_size: must be >= 1, got {self.max_batch_size}")
+        if not 0 < self.kv_cache_fraction <= 0.95:
+            raise ValueError(f"kv_cache_fraction: must be in (0, 0.95], got {self.kv_cache_fraction}")
+
+
+def gpu_ops(device: torch.device):
+    """Triton kernels on a CUDA device where Triton imports; the torch ops otherwise."""
+    if device.type == "cuda":
+        try:
+            from services.rollout.builtin.kernels import TritonOps
+        except ImportError:  # no Triton: torch ops, still captured in graphs
+            log.warning("triton is not installed: the engine runs its torch ops on %s", device)
+        else:
+            return TritonOps()
+    return TorchOps()
+
+
+class GenerationCore:
+    def __init__(self, model: DecoderLM, tokenizer: Tokenizer, device: torch.device, settings: CoreSettings):
+        self.model, self.tokenizer, self.device, self.settings = model, tokenizer, device, settings
+        self.config = model.config
+        dtype = model.model.embed_tokens.weight.dtype
+        self.shape = KVShape(num_layers=self.config.num_hidden_layers, num_kv_heads=self.config.num_key_value_heads,
+                             head_dim=self.config.head_dim, dtype=dtype)
+        self.on_gpu = device.type == "cuda"
+        # GPU: q/k/v and gate/up side by side, at addresses that never move (updates copy in).
+        self.fused = fuse_projections(model) if self.on_gpu else None
+        self.ops = gpu_ops(device)
+        self.cache: PagedKVCache | None = None
+        self.runner: ModelRunner | None = None
+        self.scheduler: Scheduler | None = None
+        self.check_every = settings.check_every or (8 if self.on_gpu else 1)
+        self.last_seconds = 0.0
+
+    @property
+    def stable_weights(self) -> bool:
+        """Whether weight updates must copy into the current tensors (graphs hold their addresses)."""
+        return self.on_gpu
+
+    def generate(self, prompts_ids: list[list[int]], sampling: Sampling,
+                 cancelled: Callable[[], bool] | None = None) -> list[Generation]:
+        validate_prompts(prompts_ids, sampling, self.config.vocab_size, self.config.max_position_embeddings)
+        started = time.perf_counter()
+        longest = max(len(p) for p in prompts_ids) + sampling.max_new_tokens
+        self._ensure(longest, len(prompts_ids) * sampling.n)
+        stop_ids = set(sampling.stop_token_ids)
+        if not sampling.ignore_eos and self.tokenizer.eos_token_id is not None:
+            stop_ids.add(self.tokenizer.eos_token_id)
+        seed = sampling.seed if sampling.seed is not None else random.SystemRandom().getrandbits(63)
+        with torch.inference_mode():
+            results = self.scheduler.run(prompts_ids, sampling, stop_ids, seed, cancelled)
+        self.last_seconds = time.perf_counter() - started
+        return results
+
+    def _ensure(self, longest: int, num_rows: int) -> None:
+        """Make the pool, runner and scheduler if there are none (or, on a CPU, too small ones)."""
+        max_positions = self.config.max_position_embeddings
+        blocks_per_row = self.shape.blocks_for(max_positions)
+        capacity = self.settings.max_batch_size
+        if self.cache is not None:
+            if self.on_gpu or self.cache.num_blocks >= self._cpu_blocks(longest, num_rows):
+                return
+        if self.on_gpu:
+            free, _ = torch.cuda.mem_get_info(self.device)
+            blocks = min(blocks_in_budget(self.shape, int(free * self.settings.kv_cache_fraction)),
+                         capacity * blocks_per_row + 1)
+        else:
+            blocks = self._cpu_blocks(longest, num_rows)
+        self.cache = PagedKVCache(self.shape, blocks, self.device)
+        decoder = PagedDecoder(self.model, self.cache, self.ops, self.fused)
+        self.runner = ModelRunner(decoder, self.cache, capacity=capacity, max_new_tokens=max_positions,
+                                  max_blocks_per_row=blocks_per_row, use_graphs=self.settings.cuda_graphs)
+        self.scheduler = Scheduler(self.runner, self.cache, self.tokenizer, check_every=self.check_every,
+                                   max_prefill_tokens=MAX_PREFILL_TOKENS)
+        log.info("kv cache: %d blocks of %d tokens (%.1f MB) on %s, %s ops, CUDA graphs %s", blocks,
+                 self.shape.block_size, self.cache.nbytes / 1e6, self.device, self.ops.name,
+                 "on" if self.runner.use_graphs else "off")
+
+    def _cpu_blocks(self, longest: int, num_rows: int) -> int:
+        """A full batch of rows as long as this call's longest, within a quarter of free RAM."""
+        rows = min(num_rows, self.settings.max_batch_size)
+        wanted = rows * self.shape.blocks_for(longest) + 1
+        try:
+            free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (ValueError, OSError):
+            return wanted
+        return max(self.shape.blocks_for(longest) + 1, min(wanted, blocks_in_budget(self.shape, free // 4)))
+
+    def release(self) -> None:
+        """Free the KV pool and the graphs; the next call makes them again."""
+        if self.runner is not None:
+            self.runner.drop_graphs()
+        self.cache = self.runner = self.scheduler = None
+        if self.on_gpu:
+            torch.cuda.empty_cache()
+
+    def drop_graphs(self) -> None:
+        """The weights moved (released and reallocated): capture again at the next call."""
+        if self.runner is not None:
+            self.runner.drop_graphs()

@@ -1,0 +1,126 @@
+"""The decoder's forward over the paged KV cache: prefill of whole prompts, and one-token decode.
+
+It reads the weights of a `DecoderLM` (the same tensor objects the weight receiver writes), and
+computes what `DecoderLM.forward` computes, op by op through an ops backend (`ops.TorchOps`, or
+`kernels.TritonOps` on a GPU). On a GPU the engine lays q/k/v and gate/up out side by side
+(`fuse_projections`), so each is one matrix product: fewer, larger kernels per layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from services.models.decoder import DecoderLM
+from services.rollout.builtin.kv_cache import PagedKVCache
+from services.rollout.builtin.ops import rope_table
+
+
+@dataclass
+class _Fused:
+    """A layer's projections laid side by side: q, k, v (and their biases) and gate, up."""
+
+    qkv: torch.Tensor  # [(H + 2 Hkv) D, hidden]
+    qkv_bias: torch.Tensor | None
+    gate_up: torch.Tensor  # [2 I, hidden]
+
+
+def fuse_projections(model: DecoderLM) -> list[_Fused]:
+    """Move each layer's q/k/v and gate/up weights into one tensor each and make the parameters
+    views of it: the parameters keep their names, shapes and objects (a weight update copies into
+    them as before), and the forward multiplies by the fused tensor once. Addresses then stay
+    fixed for the engine's life, which captured CUDA graphs need."""
+    fused = []
+    with torch.no_grad():
+        for layer in model.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            qkv = _side_by_side([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])
+            bias = None
+            if attn.q_proj.bias is not None:
+                bias = _side_by_side([attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias])
+            gate_up = _side_by_side([mlp.gate_proj.weight, mlp.up_proj.weight])
+            fused.append(_Fused(qkv, bias, gate_up))
+    return fused
+
+
+def _side_by_side(params: list[torch.Tensor]) -> torch.Tensor:
+    whole = torch.cat([p.data for p in params], dim=0)
+    start = 0
+    for p in params:
+        p.data = whole[start : start + p.shape[0]]
+        start += p.shape[0]
+    return whole
+
+
+class PagedDecoder:
+    def __init__(self, model: DecoderLM, cache: PagedKVCache, ops, fused: list[_Fused] | None = None):
+        self.model, self.cache, self.ops, self.fused = model, cache, ops, fused
+        cfg = model.config
+        self.config = cfg
+        self.eps = cfg.rms_norm_eps
+        self.q_size = cfg.num_attention_heads * cfg.head_dim
+        self.kv_size = cfg.num_key_value_heads * cfg.head_dim
+        self.rope = rope_table(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings,
+                               model.model.embed_tokens.weight.device)
+
+    def decode(self, tokens: torch.Tensor, positions: torch.Tensor, block_tables: torch.Tensor,
+               num_splits: int) -> torch.Tensor:
+        """Logits [b, V] for one new token per row (int64 tokens [b] at int positions [b]); the
+        token's key and value are written to the cache first, then attended to with the rest."""
+        bs = self.cache.shape.block_size
+        slots = block_tables.gather(1, (positions // bs)[:, None].long()).squeeze(1) * bs + positions % bs  # [b]
+        seq_lens = positions + 1
+
+        def attend(layer_index: int, q: torch.Tensor) -> torch.Tensor:
+            k_cache, v_cache = self.cache.layer(layer_index)
+            return self.ops.decode_attention(q, k_cache, v_cache, block_tables, seq_lens, bs, num_splits)
+
+        hidden = self._layers(tokens, positions, slots, attend)  # [b, hidden]
+        return F.linear(hidden, self.model.output_weight)
+
+    def prefill(self, tokens: torch.Tensor, lengths: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """Logits [G, V] at the last real token of each right-padded prompt (tokens [G, P],
+        lengths [G]), after writing every prompt token's key and value to cache slots [G, P]."""
+        groups, length = tokens.shape
+        positions = torch.arange(length, device=tokens.device).expand(groups, length).reshape(-1)
+
+        def attend(layer_index: int, q: torch.Tensor) -> torch.Tensor:
+            # The prompt's keys and values were just written; attend to them from the cache
+            # rows this layer wrote, as a dense right-padded batch.
+            k_cache, v_cache = self.cache.layer(layer_index)
+            flat = slots.reshape(-1).long()
+            k = k_cache[flat].view(groups, length, -1, self.config.head_dim)
+            v = v_cache[flat].view(groups, length, -1, self.config.head_dim)
+            out = self.ops.prefill_attention(q.view(groups, length, -1, self.config.head_dim), k, v)
+            return out.reshape(groups * length, -1)
+
+        hidden = self._layers(tokens.reshape(-1), positions, slots.reshape(-1), attend)  # [G*P, hidden]
+        last = hidden.view(groups, length, -1)[torch.arange(groups, device=tokens.device), lengths - 1]
+        return F.linear(last, self.model.output_weight)
+
+    def _layers(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, attend) -> torch.Tensor:
+        ops, eps = self.ops, self.eps
+        x = F.embedding(tokens, self.model.model.embed_tokens.weight)  # [T, hidden]
+        residual = None
+        for index, layer in enumerate(self.model.model.layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            h, residual = ops.add_rmsnorm(x, residual, layer.input_layernorm.weight, eps)
+            if self.fused is not None:
+                qkv = F.linear(h, self.fused[index].qkv, self.fused[index].qkv_bias)  # [T, (H + 2 Hkv) D]
+                q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
+            else:
+                q, k, v = attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)
+            k_cache, v_cache = self.cache.layer(index)
+            q = ops.qk_rope_cache(q, k, v, getattr(attn.q_norm, "weight", None), getattr(attn.k_norm, "weight", None),
+                                  eps, self.rope, positions, slots, k_cache, v_cache)  # [T, H, D]
+            x = attn.o_proj(attend(index, q))
+            h, residual = ops.add_rmsnorm(x, residual, layer.post_attention_layernorm.weight, eps)
+            if self.fused is not None:
+                gate, up = F.linear(h, self.fused[index].gate_up).chunk(2, dim=-1)
+            else:
+                gate, up = mlp.gate_proj(h), mlp.up_proj(h)
+            x = mlp.down_proj(ops.silu_mul(gate, up))
+        h, _ = ops.add_rmsnorm(x, residual, self.model.model.norm.weight, eps)
+        return h

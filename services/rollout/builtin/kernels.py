@@ -1,0 +1,275 @@
+"""Triton kernels for the paged forward on a GPU, with the same signatures as `ops.TorchOps`.
+
+Decode is bound by reading the weights once per step, so what matters besides the matrix
+products is how many kernels a step launches and that none of them waits on the host:
+- `add_rmsnorm`: residual add and RMSNorm in one pass (one kernel instead of five);
+- `qk_rope_cache`: Qwen3's q/k norm, RoPE, and the key/value store into the paged cache;
+- `decode_attention`: split-K paged attention for one query token per row; each program takes
+  one KV head and all the query heads that share it, reading each cached key once, and the
+  splits are merged by a second small kernel;
+- `silu_mul`: the gated MLP's activation;
+- `sample`: logsumexp, the seeded Gumbel-max draw and the chosen token's logprob in one read of
+  the logits (see `sampling.py` for the draw and the hash it shares with the torch version).
+Every kernel rounds where the decoder rounds (see `ops.py`), so bf16 results track the eager model.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from services.rollout.builtin.ops import TorchOps
+
+
+@triton.jit
+def _add_rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_cols, stride_x, stride_res, stride_out,
+                        eps, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0)
+        x = (r.to(tl.float32) + x.to(tl.float32)).to(x.dtype)
+    tl.store(res_out_ptr + row * stride_out + cols, x, mask=mask)
+    xf = x.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / n_cols + eps)
+    normed = (xf * rstd).to(x.dtype).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_out + cols, (w * normed).to(x.dtype), mask=mask)
+
+
+@triton.jit
+def _qk_rope_cache_kernel(q_ptr, k_ptr, v_ptr, qn_ptr, kn_ptr, table_ptr, pos_ptr, slot_ptr, kc_ptr, vc_ptr,
+                          qo_ptr, stride_q, stride_k, stride_v, eps, NUM_HEADS: tl.constexpr,
+                          NUM_KV_HEADS: tl.constexpr, HALF: tl.constexpr, QK_NORM: tl.constexpr):
+    token = tl.program_id(0)
+    head = tl.program_id(1)  # q heads, then k heads, then v heads
+    d = tl.arange(0, HALF)
+    head_dim = 2 * HALF
+    slot = tl.load(slot_ptr + token).to(tl.int64)
+    if head < NUM_HEADS + NUM_KV_HEADS:
+        is_q = head < NUM_HEADS
+        if is_q:
+            base = q_ptr + token * stride_q + head * head_dim
+        else:
+            base = k_ptr + token * stride_k + (head - NUM_HEADS) * head_dim
+        x1 = tl.load(base + d)
+        x2 = tl.load(base + HALF + d)
+        dtype = x1.dtype
+        if QK_NORM:
+            f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
+            rstd = 1.0 / tl.sqrt((tl.sum(f1 * f1, axis=0) + tl.sum(f2 * f2, axis=0)) / head_dim + eps)
+            if is_q:
+                w1, w2 = tl.load(qn_ptr + d).to(tl.float32), tl.load(qn_ptr + HALF + d).to(tl.float32)
+            else:
+                w1, w2 = tl.load(kn_ptr + d).to(tl.float32), tl.load(kn_ptr + HALF + d).to(tl.float32)
+            x1 = (w1 * (f1 * rstd).to(dtype).to(tl.float32)).to(dtype)
+            x2 = (w2 * (f2 * rstd).to(dtype).to(tl.float32)).to(dtype)
+        pos = tl.load(pos_ptr + token).to(tl.int64)
+        cos = tl.load(table_ptr + pos * head_dim + d).to(dtype).to(tl.float32)
+        sin = tl.load(table_ptr + pos * head_dim + HALF + d).to(dtype).to(tl.float32)
+        f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
+        # x * cos + rotate_half(x) * sin, rounded after each product and the sum as in bf16 torch
+        o1 = ((f1 * cos).to(dtype).to(tl.float32) + (-f2 * sin).to(dtype).to(tl.float32)).to(dtype)
+        o2 = ((f2 * cos).to(dtype).to(tl.float32) + (f1 * sin).to(dtype).to(tl.float32)).to(dtype)
+        if is_q:
+            out = qo_ptr + (token * NUM_HEADS + head) * head_dim
+        else:
+            out = kc_ptr + (slot * NUM_KV_HEADS + head - NUM_HEADS) * head_dim
+        tl.store(out + d, o1)
+        tl.store(out + HALF + d, o2)
+    else:
+        kv_head = head - NUM_HEADS - NUM_KV_HEADS
+        src = v_ptr + token * stride_v + kv_head * head_dim
+        dst = vc_ptr + (slot * NUM_KV_HEADS + kv_head) * head_dim
+        tl.store(dst + d, tl.load(src + d))
+        tl.store(dst + HALF + d, tl.load(src + HALF + d))
+
+
+@triton.jit
+def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, len_ptr, acc_ptr, ml_ptr, stride_bt, scale,
+                         NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
+                         GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                         BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr):
+    row = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    g = tl.arange(0, GROUP_PAD)
+    d = tl.arange(0, HEAD_DIM)
+    n = tl.arange(0, BLOCK_N)
+    heads = kv_head * GROUP + g
+    head_ok = g < GROUP
+    q = tl.load(q_ptr + (row * NUM_HEADS + heads)[:, None] * HEAD_DIM + d[None, :], mask=head_ok[:, None], other=0.0)
+    seq_len = tl.load(len_ptr + row)
+    chunk = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = split * chunk
+    end = tl.minimum(start + chunk, seq_len)
+    m = tl.full((GROUP_PAD,), float("-inf"), tl.float32)
+    l = tl.zeros((GROUP_PAD,), tl.float32)
+    acc = tl.zeros((GROUP_PAD, HEAD_DIM), tl.float32)
+    for first in range(start, end, BLOCK_N):
+        t = first + n
+        ok = t < end
+        block = tl.load(bt_ptr + row * stride_bt + t // BLOCK_SIZE, mask=ok, other=0).to(tl.int64)
+        slot = block * BLOCK_SIZE + t % BLOCK_SIZE
+        offs = (slot * NUM_KV_HEADS + kv_head)[:, None] * HEAD_DIM + d[None, :]
+        k = tl.load(kc_ptr + offs, mask=ok[:, None], other=0.0)
+        v = tl.load(vc_ptr + offs, mask=ok[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k)) * scale  # [GROUP_PAD, BLOCK_N]
+        s = tl.where(ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        alpha = tl.exp(m - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l = l * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m = m_new
+    part = (row * NUM_HEADS + heads) * NUM_SPLITS + split  # [GROUP_PAD]
+    tl.store(acc_ptr + part[:, None] * HEAD_DIM + d[None, :], acc, mask=head_ok[:, None])
+    tl.store(ml_ptr + part * 2, m, mask=head_ok)
+    tl.store(ml_ptr + part * 2 + 1, l, mask=head_ok)
+
+
+@triton.jit
+def _decode_merge_kernel(acc_ptr, ml_ptr, out_ptr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
+                         HEAD_DIM: tl.constexpr):
+    row_head = tl.program_id(0)  # row * NUM_HEADS + head
+    s = tl.arange(0, SPLITS_PAD)
+    d = tl.arange(0, HEAD_DIM)
+    ok = s < NUM_SPLITS
+    part = row_head * NUM_SPLITS + s
+    m = tl.load(ml_ptr + part * 2, mask=ok, other=float("-inf"))
+    l = tl.load(ml_ptr + part * 2 + 1, mask=ok, other=0.0)
+    top = tl.max(m, axis=0)
+    weight = tl.where(ok & (m > float("-inf")), tl.exp(m - top), 0.0)  # [SPLITS_PAD]
+    acc = tl.load(acc_ptr + part[:, None] * HEAD_DIM + d[None, :], mask=ok[:, None], other=0.0)
+    out = tl.sum(acc * weight[:, None], axis=0) / tl.sum(l * weight, axis=0)
+    tl.store(out_ptr + row_head * HEAD_DIM + d, out.to(out_ptr.dtype.element_ty))
+
+
+@triton.jit
+def _silu_mul_kernel(gate_ptr, up_ptr, out_ptr, n_cols, stride_gate, stride_up, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    gate = tl.load(gate_ptr + row * stride_gate + cols, mask=mask, other=0.0)
+    up = tl.load(up_ptr + row * stride_up + cols, mask=mask, other=0.0)
+    g = gate.to(tl.float32)
+    act = (g / (1.0 + tl.exp(-g))).to(gate.dtype).to(tl.float32)
+    tl.store(out_ptr + row * n_cols + cols, (act * up.to(tl.float32)).to(gate.dtype), mask=mask)
+
+
+@triton.jit
+def _hash32(x):
+    """`sampling.hash32`, in int64 with the same masks (so both give the same bits)."""
+    x = (((x >> 16) ^ x) * 0x45D9F3B) & 0xFFFFFFFF
+    x = (((x >> 16) ^ x) * 0x45D9F3B) & 0xFFFFFFFF
+    return (x >> 16) ^ x
+
+
+@triton.jit
+def _sample_kernel(logits_ptr, scores_ptr, keys_ptr, steps_ptr, inv_temp_ptr, tok_ptr, lp_ptr, vocab,
+                   stride_logits, stride_scores, GREEDY: tl.constexpr, SCALE_SCORES: tl.constexpr,
+                   BLOCK_V: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_V)
+    key = tl.load(keys_ptr + row).to(tl.int64)
+    step = tl.load(steps_ptr + row).to(tl.int64)
+    step_key = _hash32((key + step * 0x9E3779B9) & 0xFFFFFFFF)
+    inv_temp = tl.load(inv_temp_ptr)
+    m = tl.full((BLOCK_V,), float("-inf"), tl.float32)  # per lane: running max and sum for the logsumexp
+    total = tl.zeros((BLOCK_V,), tl.float32)
+    best = tl.full((BLOCK_V,), float("-inf"), tl.float32)  # per lane: best score so far and its token
+    best_tok = tl.zeros((BLOCK_V,), tl.int32)
+    for first in range(0, vocab, BLOCK_V):
+        v = first + cols
+        ok = v < vocab
+        x = tl.load(logits_ptr + row * stride_logits + v, mask=ok, other=float("-inf")).to(tl.float32)
+        m_new = tl.maximum(m, x)
+        seen = m_new > float("-inf")  # lanes past the vocabulary's end may never see a logit
+        total = tl.where(seen, total * tl.exp(m - m_new) + tl.where(ok, tl.exp(x - m_new), 0.0), 0.0)
+        m = m_new
+        if GREEDY:
+            score = x
+        else:
+            score = tl.load(scores_ptr + row * stride_scores + v, mask=ok, other=float("-inf")).to(tl.float32)
+            if SCALE_SCORES:
+                score = score * inv_temp
+            bits = _hash32((step_key + v.to(tl.int64) * 0x2545F491) & 0xFFFFFFFF)
+            u = ((bits >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
+            score = score - tl.log(-tl.log(u))
+        better = score > best  # strictly: the lowest token id wins a tie, as argmax does
+        best = tl.where(better, score, best)
+        best_tok = tl.where(better, v, best_tok)
+    top = tl.max(best, axis=0)
+    token = tl.min(tl.where(best == top, best_tok, 2147483647), axis=0)
+    row_max = tl.max(m, axis=0)
+    lse = row_max + tl.log(tl.sum(tl.where(m > float("-inf"), total * tl.exp(m - row_max), 0.0), axis=0))
+    chosen = tl.load(logits_ptr + row * stride_logits + token).to(tl.float32)
+    tl.store(tok_ptr + row, token.to(tl.int64))
+    tl.store(lp_ptr + row, chosen - lse)
+
+
+class TritonOps(TorchOps):
+    """The GPU ops: each a Triton kernel with the reference's signature (prefill attention and
+    top-k / top-p filtering stay on torch: flash attention and sorting are already kernels)."""
+
+    name = "triton"
+
+    def add_rmsnorm(self, x, residual, weight, eps):
+        rows, cols = x.shape
+        out = torch.empty_like(x)
+        res_out = torch.empty_like(x)
+        has_res = residual is not None
+        _add_rmsnorm_kernel[(rows,)](x, residual if has_res else x, weight, out, res_out, cols, x.stride(0),
+                                     residual.stride(0) if has_res else 0, out.stride(0), eps,
+                                     HAS_RESIDUAL=has_res, BLOCK=triton.next_power_of_2(cols), num_warps=4)
+        return out, res_out
+
+    def qk_rope_cache(self, q, k, v, q_norm, k_norm, eps, table, positions, slots, k_cache, v_cache):
+        tokens = q.shape[0]
+        num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2]
+        num_heads = q.shape[1] // head_dim
+        q_out = torch.empty(tokens, num_heads, head_dim, dtype=q.dtype, device=q.device)
+        norm = q_norm is not None
+        _qk_rope_cache_kernel[(tokens, num_heads + 2 * num_kv_heads)](
+            q, k, v, q_norm if norm else q, k_norm if norm else q, table, positions, slots, k_cache, v_cache, q_out,
+            q.stride(0), k.stride(0), v.stride(0), eps, NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads,
+            HALF=head_dim // 2, QK_NORM=norm, num_warps=1)
+        return q_out
+
+    def decode_attention(self, q, k_cache, v_cache, block_tables, seq_lens, block_size, num_splits):
+        batch, num_heads, head_dim = q.shape
+        num_kv_heads = k_cache.shape[1]
+        group = num_heads // num_kv_heads
+        acc = torch.empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
+        ml = torch.empty(batch, num_heads, num_splits, 2, dtype=torch.float32, device=q.device)
+        _decode_split_kernel[(batch, num_kv_heads, num_splits)](
+            q, k_cache, v_cache, block_tables, seq_lens, acc, ml, block_tables.stride(0), head_dim**-0.5,
+            NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
+            HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_N=32, NUM_SPLITS=num_splits, num_warps=4, num_stages=2)
+        out = torch.empty(batch, num_heads * head_dim, dtype=q.dtype, device=q.device)
+        _decode_merge_kernel[(batch * num_heads,)](acc, ml, out, NUM_SPLITS=num_splits,
+                                                   SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)),
+                                                   HEAD_DIM=head_dim, num_warps=1)
+        return out
+
+    def silu_mul(self, gate, up):
+        rows, cols = gate.shape
+        out = torch.empty(rows, cols, dtype=gate.dtype, device=gate.device)
+        block = 1024
+        _silu_mul_kernel[(rows, triton.cdiv(cols, block))](gate, up, out, cols, gate.stride(0), up.stride(0),
+                                                          BLOCK=block, num_warps=4)
+        return out
+
+    def sample(self, logits, keys, steps, inv_temperature, greedy, scores=None):
+        batch, vocab = logits.shape
+        tokens = torch.empty(batch, dtype=torch.int64, device=logits.device)
+        logprobs = torch.empty(batch, dtype=torch.float32, device=logits.device)
+        use = logits if scores is None else scores
+        _sample_kernel[(batch,)](logits, use, keys, steps, inv_temperature, tokens, logprobs, vocab,
+                                 logits.stride(0), use.stride(0), GREEDY=greedy, SCALE_SCORES=scores is None,
+                                 BLOCK_V=1024, num_warps=4)
+        return tokens, logprobs
+

@@ -1,0 +1,97 @@
+"""The paged forward's building blocks, in plain torch: the CPU path, and the reference the GPU
+kernels (`kernels.py`) are tested against.
+
+Each op computes what the decoder (`services.models.decoder`) computes, in the same precision
+steps (RMSNorm in float32 cast back before the weight, rotate-half RoPE with cos/sin cast to the
+model's dtype), so an engine and a trainer on the same device and dtype give the same logprobs as
+far as the attention kernels let them. Token-major shapes throughout: T tokens, H query heads,
+Hkv key/value heads, D head dim.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from services.rollout.builtin import sampling
+
+
+def rope_table(head_dim: int, theta: float, max_positions: int, device: torch.device) -> torch.Tensor:
+    """float32 [max_positions, 2, D/2]: cos and sin of every position, as the decoder computes them."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim
+    inv_freq = 1.0 / (theta**exponents)  # [D/2]
+    freqs = torch.arange(max_positions, device=device).float()[:, None] * inv_freq  # [P, D/2]
+    return torch.stack((freqs.cos(), freqs.sin()), dim=1).contiguous()
+
+
+class TorchOps:
+    """Reference implementations; every tensor may live on any device."""
+
+    name = "torch"
+
+    def add_rmsnorm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                    eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """(RMSNorm(x + residual), x + residual) for [T, hidden]; residual None: x alone."""
+        summed = x if residual is None else residual + x
+        normed = F.rms_norm(summed.float(), (summed.shape[-1],), eps=eps)
+        return weight * normed.to(summed.dtype), summed
+
+    def qk_rope_cache(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_norm: torch.Tensor | None,
+                      k_norm: torch.Tensor | None, eps: float, table: torch.Tensor, positions: torch.Tensor,
+                      slots: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        """Normalise (Qwen3) and rotate q [T, H*D] and k [T, Hkv*D], write k and v [T, Hkv*D] to
+        cache slots [T]; returns the rotated q [T, H, D]."""
+        num_tokens = q.shape[0]
+        num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2]
+        q = q.reshape(num_tokens, -1, head_dim)
+        k = k.reshape(num_tokens, num_kv_heads, head_dim)
+        if q_norm is not None:
+            q, k = self._head_norm(q, q_norm, eps), self._head_norm(k, k_norm, eps)
+        cos_sin = table[positions.long()]  # [T, 2, D/2]
+        cos = torch.cat((cos_sin[:, 0], cos_sin[:, 0]), dim=-1).to(q.dtype)[:, None]  # [T, 1, D]
+        sin = torch.cat((cos_sin[:, 1], cos_sin[:, 1]), dim=-1).to(q.dtype)[:, None]
+        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        k_cache.index_copy_(0, slots.long(), k)
+        v_cache.index_copy_(0, slots.long(), v.reshape(num_tokens, num_kv_heads, head_dim))
+        return q
+
+    @staticmethod
+    def _head_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
+
+    def decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int,
+                         num_splits: int) -> torch.Tensor:
+        """One query token per row, q [b, H, D], over the row's first seq_lens[b] cached tokens;
+        returns [b, H*D]. Gathers the rows' keys into a dense [b, L, Hkv, D] (the CPU way)."""
+        batch, num_heads, head_dim = q.shape
+        length = int(seq_lens.max())
+        position = torch.arange(length, device=q.device)  # [L]
+        slots = block_tables[:, position // block_size].long() * block_size + position % block_size  # [b, L]
+        keys = k_cache[slots].transpose(1, 2)  # [b, Hkv, L, D]
+        values = v_cache[slots].transpose(1, 2)
+        mask = (position[None, :] < seq_lens[:, None])[:, None, None, :]  # [b, 1, 1, L]
+        out = F.scaled_dot_product_attention(q[:, :, None], keys, values, attn_mask=mask,
+                                             enable_gqa=num_heads != keys.shape[1])  # [b, H, 1, D]
+        return out.reshape(batch, num_heads * head_dim)
+
+    def prefill_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Causal attention of right-padded prompts: q [G, P, H, D], k, v [G, P, Hkv, D] -> [G, P, H*D].
+        Padding sits after every real token, so plain causal attention is exact for real tokens."""
+        groups, length, num_heads, head_dim = q.shape
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
+                                             enable_gqa=num_heads != k.shape[2])  # [G, H, P, D]
+        return out.transpose(1, 2).reshape(groups, length, num_heads * head_dim)
+
+    def silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        return F.silu(gate) * up
+
+    def sample(self, logits: torch.Tensor, keys: torch.Tensor, steps: torch.Tensor, inv_temperature: torch.Tensor,
+               greedy: bool, scores: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        return sampling.sample(logits, keys, steps, inv_temperature, greedy, scores)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x * cos + rotate_half(x) * sin, op for op as the decoder's `apply_rope` ([T, heads, D])."""
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin

@@ -1,0 +1,246 @@
+"""The model runner: rows' state on the device, prefill, and decode steps replayed as CUDA graphs.
+
+Every running row (one sample) occupies a slot of fixed-size device tensors: its next input
+token and position, its block table, how many tokens it has made, whether it is done, and its
+outputs so far. A decode step reads and updates only these tensors (forward, sample, record,
+check for a stop token or the length limit), so it needs nothing from the host and the same
+step can be captured once per batch-size bucket and replayed: the host looks at the rows only
+every few steps (`Scheduler`). Rows sit in slots [0, num_rows); a bucket's graph computes the
+first `bucket` slots, and slots past num_rows are padding rows that are done and write to the
+trash block.
+
+Sampling settings live in device tensors too, so graphs survive a change of temperature or
+top-p; top-k (a shape) and greedy (a different kernel) pick the graph. Graphs hold the
+addresses of weights, KV cache and these tensors: the weights stay put (`forward.fuse_projections`,
+updates copy into them), and `drop_graphs` forgets the graphs when memory is released.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from services.rollout.builtin import sampling
+from services.rollout.builtin.forward import PagedDecoder
+from services.rollout.builtin.kv_cache import TRASH_BLOCK, PagedKVCache
+
+log = logging.getLogger("rlfleet.rollout")
+
+_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256)
+
+
+@dataclass(frozen=True)
+class StepMode:
+    """What picks a captured graph besides the batch bucket."""
+
+    greedy: bool
+    top_k: int
+    top_p: bool
+
+
+@dataclass
+class NewRow:
+    """A row entering the batch: its slot's contents after the prompt's prefill."""
+
+    block_table: list[int]
+    prompt_len: int
+    key: int  # sampling.row_key
+    logits_index: int  # which prefill logits row it samples its first token from
+
+
+class ModelRunner:
+    def __init__(self, decoder: PagedDecoder, cache: PagedKVCache, *, capacity: int, max_new_tokens: int,
+                 max_blocks_per_row: int, use_graphs: bool):
+        self.decoder, self.cache = decoder, cache
+        self.device = cache.device
+        self.capacity, self.max_new_tokens, self.max_blocks = capacity, max_new_tokens, max_blocks_per_row
+        self.use_graphs = use_graphs and self.device.type == "cuda"
+        self.vocab_size = decoder.config.vocab_size
+        self._graphs: dict[tuple[int, StepMode], torch.cuda.CUDAGraph] = {}
+        self._pool = None
+        self._num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count \
+            if self.device.type == "cuda" else 0
+        self._alloc_state()
+
+    def _alloc_state(self) -> None:
+        B, N, dev = self.capacity, self.max_new_tokens, self.device
+        self.tokens = torch.zeros(B, dtype=torch.int64, device=dev)
+        self.positions = torch.zeros(B, dtype=torch.int32, device=dev)
+        self.block_tables = torch.full((B, self.max_blocks), TRASH_BLOCK, dtype=torch.int32, device=dev)
+        self.num_made = torch.zeros(B, dtype=torch.int32, device=dev)
+        self.done = torch.ones(B, dtype=torch.bool, device=dev)
+        self.keys = torch.zeros(B, dtype=torch.int64, device=dev)
+        self.out_tokens = torch.zeros(B, N, dtype=torch.int64, device=dev)
+        self.out_logprobs = torch.zeros(B, N, dtype=torch.float32, device=dev)
+        self.limit = torch.full((1,), N, dtype=torch.int32, device=dev)  # max_new_tokens of this call
+        self.inv_temperature = torch.ones(1, dtype=torch.float32, device=dev)
+        self.top_p = torch.ones(1, dtype=torch.float32, device=dev)
+        self.is_stop = torch.zeros(self.vocab_size, dtype=torch.bool, device=dev)
+        self._rows = torch.arange(B, device=dev)
+
+    def _state(self) -> list[torch.Tensor]:
+        return [self.tokens, self.positions, self.block_tables, self.num_made, self.done, self.keys,
+                self.out_tokens, self.out_logprobs]
+
+    # ---- per call --------------------------------------------------------------------------
+
+    def begin(self, *, temperature: float, top_p: float, max_new_tokens: int, stop_ids: set[int]) -> None:
+        """Set this call's sampling settings (device scalars the graphs read)."""
+        assert max_new_tokens <= self.max_new_tokens
+        self.limit.fill_(max_new_tokens)
+        self.inv_temperature.fill_(1.0 / temperature if temperature > 0 else 1.0)
+        self.top_p.fill_(top_p)
+        self.is_stop.zero_()
+        if stop_ids:
+            self.is_stop[torch.tensor(sorted(stop_ids), device=self.device)] = True
+        self.done.fill_(True)
+        self.block_tables.fill_(TRASH_BLOCK)
+        self.positions.zero_()
+
+    def prefill(self, prompts: list[list[int]], blocks: list[list[int]], rows: list[NewRow], first_slot: int,
+                mode: StepMode) -> None:
+        """Prefill `prompts` (each once, its cache positions in `blocks[i]`), then start `rows` in
+        slots first_slot.. with their first sampled token."""
+        bs = self.cache.shape.block_size
+        length = max(len(p) for p in prompts)
+        tokens = torch.zeros(len(prompts), length, dtype=torch.int64)
+        slots = torch.full((len(prompts), length), TRASH_BLOCK * bs, dtype=torch.int64)
+        for i, (prompt, table) in enumerate(zip(prompts, blocks)):
+            n = len(prompt)
+            tokens[i, :n] = torch.tensor(prompt)
+            position = torch.arange(n)
+            slots[i, :n] = torch.tensor(table)[position // bs] * bs + position % bs
+        lengths = torch.tensor([len(p) for p in prompts])
+        logits = self.decoder.prefill(tokens.to(self.device), lengths.to(self.device), slots.to(self.device))  # [G, V]
+
+        count = len(rows)
+        slot = slice(first_slot, first_slot + count)
+        table = torch.full((count, self.max_blocks), TRASH_BLOCK, dtype=torch.int32)
+        for r, row in enumerate(rows):
+            table[r, : len(row.block_table)] = torch.tensor(row.block_table, dtype=torch.int32)
+        self.block_tables[slot] = table.to(self.device)
+        self.keys[slot] = torch.tensor([row.key for row in rows], device=self.device)
+        self.num_made[slot] = 0
+        self.done[slot] = False
+        # The first sampled token sits at position prompt_len; `_record` advances to it.
+        self.positions[slot] = torch.tensor([row.prompt_len - 1 for row in rows], dtype=torch.int32, device=self.device)
+        row_logits = logits[torch.tensor([row.logits_index for row in rows], device=self.device)]  # [count, V]
+        self._record(row_logits, slot, mode)
+
+    def decode(self, num_rows: int, num_steps: int, mode: StepMode) -> None:
+        """`num_steps` decode steps of slots [0, num_rows) (rows that finish stop changing)."""
+        bucket = self.bucket(num_rows) if self.use_graphs else num_rows
+        if self.use_graphs:
+            graph = self._graph(bucket, mode)
+            for _ in range(num_steps):
+                graph.replay()
+        else:
+            for _ in range(num_steps):
+                self._step(bucket, mode)
+
+    def bucket(self, num_rows: int) -> int:
+        return next((b for b in _BUCKETS if b >= num_rows), self.capacity) if num_rows <= self.capacity else num_rows
+
+    def _step(self, batch: int, mode: StepMode) -> None:
+        logits = self.decoder.decode(self.tokens[:batch], self.positions[:batch], self.block_tables[:batch],
+                                     self.num_splits(batch))
+        self._record(logits, slice(0, batch), mode)
+
+    def num_splits(self, batch: int) -> int:
+        """Enough (row, KV head, split) programs to fill the GPU at every batch size."""
+        if self.device.type != "cuda":
+            return 1
+        programs = batch * self.decoder.config.num_key_value_heads
+        return max(1, min(16, -(-2 * self._num_sms // programs)))
+
+    def _record(self, logits: torch.Tensor, slot: slice, mode: StepMode) -> None:
+        """Sample from logits [b, V] for the rows in `slot`, record the tokens, advance the rows."""
+        ops = self.decoder.ops
+        scores = None
+        if not mode.greedy and (mode.top_k > 0 or mode.top_p):
+            scores = sampling.filter_scores(logits, self.inv_temperature, mode.top_k, self.top_p if mode.top_p else None)
+        made = self.num_made[slot]
+        tokens, logprobs = ops.sample(logits, self.keys[slot], made, self.inv_temperature, mode.greedy, scores)
+        active = ~self.done[slot]
+        rows = self._rows[slot]
+        at = made.clamp(max=self.max_new_tokens - 1).long()
+        self.out_tokens[rows, at] = torch.where(active, tokens, self.out_tokens[rows, at])
+        self.out_logprobs[rows, at] = torch.where(active, logprobs, self.out_logprobs[rows, at])
+        made = made + active.int()
+        self.done[slot] |= active & (self.is_stop[tokens] | (made >= self.limit))
+        self.num_made[slot] = made
+        self.tokens[slot] = torch.where(active, tokens, self.tokens[slot])
+        self.positions[slot] += active.int()
+
+    # ---- host checks -----------------------------------------------------------------------
+
+    def read(self, num_rows: int) -> tuple[list[bool], list[int]]:
+        """done and num_made of slots [0, num_rows): the one host sync of a check."""
+        both = torch.stack((self.done[:num_rows].int(), self.num_made[:num_rows])).cpu()
+        return [bool(d) for d in both[0].tolist()], both[1].tolist()
+
+    def outputs(self, slots: list[int], lengths: list[int]) -> list[tuple[list[int], list[float]]]:
+        index = torch.tensor(slots, device=self.device)
+        width = max(lengths)
+        tokens = self.out_tokens[index, :width].tolist()
+        logprobs = self.out_logprobs[index, :width].tolist()
+        return [(t[:n], lp[:n]) for t, lp, n in zip(tokens, logprobs, lengths)]
+
+    def tokens_so_far(self, num_rows: int, width: int) -> list[list[int]]:
+        return self.out_tokens[:num_rows, :width].tolist()
+
+    def finish(self, slots: list[int]) -> None:
+        """Mark rows done from the host (a stop string was found)."""
+        self.done[torch.tensor(slots, device=self.device)] = True
+
+    def keep(self, slots: list[int]) -> None:
+        """Move rows `slots` (in this order) to slots [0, len(slots)); the rest become padding."""
+        count = len(slots)
+        if slots == list(range(count)):
+            pass
+        else:
+            index = torch.tensor(slots, device=self.device)
+            for t in self._state():
+                t[:count] = t[index]
+        self.done[count:] = True
+        self.block_tables[count:] = TRASH_BLOCK
+        self.positions[count:] = 0
+
+    # ---- graphs ----------------------------------------------------------------------------
+
+    def _graph(self, batch: int, mode: StepMode) -> torch.cuda.CUDAGraph:
+        key = (batch, mode)
+        graph = self._graphs.get(key)
+        if graph is None:
+            graph = self._capture(batch, mode)
+            self._graphs[key] = graph
+        return graph
+
+    def _capture(self, batch: int, mode: StepMode) -> torch.cuda.CUDAGraph:
+        """Warm the step up once (Triton compiles, cuBLAS picks kernels), put the rows' state
+        back as it was, and capture the step into the shared graph memory pool."""
+        saved = [t.clone() for t in self._state()]
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            self._step(batch, mode)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        for t, s in zip(self._state(), saved):
+            t.copy_(s)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            self._step(batch, mode)
+        log.debug("captured the decode step for %d rows (%s)", batch, mode)
+        return graph
+
+    def drop_graphs(self) -> None:
+        self._graphs.clear()
+        self._pool = None
+
+    @property
+    def num_graphs(self) -> int:
+        return len(self._graphs)

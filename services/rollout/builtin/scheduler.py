@@ -1,0 +1,205 @@
+"""Continuous batching for one generate call: which prompts run, when, and when a row is finished.
+
+The scheduler owns the host's view of the batch: the rows in their slots, the prompts still
+waiting, and every row's blocks. Each round it admits waiting prompts into free slots while
+their blocks fit (one prefill for a prompt's `n` samples, which share the blocks the prompt
+fills), lets the runner decode a few steps with no host sync, then reads which rows are done,
+looks for stop strings, hands finished rows back as `Generation`s, frees their blocks and packs
+the rest to the front. So a long-tail row never keeps a slot from a waiting prompt for longer
+than one round.
+
+A row reserves blocks for its prompt plus max_new_tokens when admitted: it can never run out
+mid-way, so nothing is ever preempted or recomputed.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable
+
+from services.models.tokenizer import Tokenizer
+from services.rollout.builtin import sampling
+from services.rollout.builtin.kv_cache import PagedKVCache
+from services.rollout.builtin.runner import ModelRunner, NewRow, StepMode
+from services.rollout.types import Generation, Sampling
+
+
+class GenerationCancelled(RuntimeError):
+    """The caller gave up (its RPC was cancelled or ran past its deadline)."""
+
+
+class PromptTooLong(ValueError):
+    """A prompt plus max_new_tokens needs more KV cache than the engine has."""
+
+
+@dataclass
+class _Row:
+    prompt_index: int
+    sample_index: int
+    prompt_ids: list[int]
+    blocks: list[int]  # the row's references: the prompt's shared blocks, then its own
+    searched: int = 0  # output tokens already searched for stop strings
+
+
+@dataclass
+class _Waiting:
+    prompt_index: int
+    prompt_ids: list[int]
+    samples: list[int]  # sample indices not yet admitted
+
+
+@dataclass(frozen=True)
+class CallStats:
+    rounds: int
+    decode_steps: int
+    prefills: int
+    max_rows: int
+
+
+class Scheduler:
+    def __init__(self, runner: ModelRunner, cache: PagedKVCache, tokenizer: Tokenizer, *, check_every: int,
+                 max_prefill_tokens: int):
+        self.runner, self.cache, self.tokenizer = runner, cache, tokenizer
+        self.check_every, self.max_prefill_tokens = check_every, max_prefill_tokens
+        self.last_stats = CallStats(0, 0, 0, 0)
+
+    def run(self, prompts_ids: list[list[int]], sampling_: Sampling, stop_ids: set[int], seed: int,
+            cancelled: Callable[[], bool] | None = None) -> list[Generation]:
+        """Generate `sampling_.n` completions per prompt; results are prompt-major (i * n + j)."""
+        n = sampling_.n
+        greedy = sampling_.temperature == 0
+        mode = StepMode(greedy=greedy, top_k=0 if greedy else sampling_.top_k, top_p=not greedy and sampling_.top_p < 1)
+        self.runner.begin(temperature=sampling_.temperature, top_p=sampling_.top_p,
+                          max_new_tokens=sampling_.max_new_tokens, stop_ids=stop_ids)
+        waiting = deque(_Waiting(i, list(p), list(range(n))) for i, p in enumerate(prompts_ids))
+        rows: list[_Row] = []
+        results: list[Generation | None] = [None] * (len(prompts_ids) * n)
+        made = []  # tokens made per row, as of the last check
+        rounds = steps = prefills = max_rows = 0
+        try:
+            while waiting or rows:
+                if cancelled is not None and cancelled():
+                    raise GenerationCancelled("generate: the caller cancelled")
+                admitted = self._admit(waiting, rows, seed, sampling_.max_new_tokens, mode)
+                prefills += admitted
+                made += [1] * (len(rows) - len(made))
+                max_rows = max(max_rows, len(rows))
+                remaining = max((sampling_.max_new_tokens - m for m in made), default=0)
+                todo = min(self.check_every, remaining)
+                if todo > 0:
+                    self.runner.decode(len(rows), todo, mode)
+                    steps += todo
+                done, made = self.runner.read(len(rows))
+                stopped = self._stop_strings(rows, made, done, sampling_.stop) if sampling_.stop else {}
+                finished = [k for k in range(len(rows)) if done[k] or k in stopped]
+                if finished:
+                    self._retire(rows, finished, made, stopped, stop_ids, results, n)
+                    keep = [k for k in range(len(rows)) if k not in set(finished)]
+                    self.runner.keep(keep)
+                    rows = [rows[k] for k in keep]
+                    made = [made[k] for k in keep]
+                rounds += 1
+        finally:
+            for row in rows:  # an error or a cancel mid-call: give every block back
+                self.cache.allocator.free(row.blocks)
+        self.last_stats = CallStats(rounds, steps, prefills, max_rows)
+        return results  # type: ignore[return-value]
+
+    def _admit(self, waiting: deque, rows: list[_Row], seed: int, max_new: int, mode: StepMode) -> int:
+        """Prefill as many waiting prompts as slots, blocks and the prefill budget allow."""
+        bs = self.cache.shape.block_size
+        allocator = self.cache.allocator
+        prompts, tables, new_rows, new = [], [], [], []
+        copies_src, copies_dst = [], []
+        tokens = 0
+        while waiting:
+            item = waiting[0]
+            free_slots = self.runner.capacity - len(rows) - len(new)
+            count = min(len(item.samples), free_slots)
+            if count == 0 or (prompts and tokens + len(item.prompt_ids) > self.max_prefill_tokens):
+                break
+            length = len(item.prompt_ids)
+            shared = length // bs  # blocks the prompt fills completely
+            per_row = self.cache.shape.blocks_for(length + max_new)
+            need = shared + count * (per_row - shared)
+            if need > allocator.num_free:
+                if rows or new:
+                    break  # wait for rows to finish
+                if shared + per_row - shared > allocator.num_blocks - 1:
+                    raise PromptTooLong(
+                        f"prompts_ids: prompt {item.prompt_index} ({length} tokens) plus max_new_tokens={max_new} "
+                        f"needs {per_row} KV blocks of {bs} tokens; the cache has {allocator.num_blocks - 1}")
+                count = max(1, min(count, (allocator.num_free - shared) // max(1, per_row - shared)))
+                need = shared + count * (per_row - shared)
+            shared_blocks = allocator.allocate(shared)
+            if count > 1:
+                for _ in range(count - 1):
+                    allocator.share(shared_blocks)
+            group = len(prompts)
+            first_own = None
+            for j in item.samples[:count]:
+                own = allocator.allocate(per_row - shared)
+                table = shared_blocks + own
+                if first_own is None:
+                    first_own = own[0]
+                    prompts.append(item.prompt_ids)
+                    tables.append(table)
+                elif length % bs:  # the prompt's last, partly filled block: each sample its own copy
+                    copies_src.append(first_own)
+                    copies_dst.append(own[0])
+                new.append(_Row(item.prompt_index, j, item.prompt_ids, table))
+                new_rows.append(NewRow(table, length, sampling.row_key(seed, item.prompt_index, j), group))
+            tokens += length
+            item.samples = item.samples[count:]
+            if not item.samples:
+                waiting.popleft()
+        if not prompts:
+            return 0
+        self.runner.prefill(prompts, tables, new_rows, len(rows), mode)
+        self.cache.copy_blocks(copies_src, copies_dst)
+        rows.extend(new)
+        return len(prompts)
+
+    def _stop_strings(self, rows: list[_Row], made: list[int], done: list[bool], stops: tuple[str, ...]) -> dict[int, tuple[int, str]]:
+        """Rows whose text now holds a stop string: row -> (tokens to keep, text cut after it).
+        Keeps the earliest token that completed a stop string, as a check after every step would."""
+        hits: dict[int, tuple[int, str]] = {}
+        width = max(made, default=0)
+        if width == 0:
+            return hits
+        outputs = self.runner.tokens_so_far(len(rows), width)
+        for k, row in enumerate(rows):
+            ids = outputs[k][: made[k]]
+            if row.searched >= len(ids) or not any(s in self.tokenizer.decode(ids) for s in stops):
+                row.searched = len(ids)
+                continue
+            for length in range(max(1, row.searched), len(ids) + 1):
+                text = self.tokenizer.decode(ids[:length])
+                ends = [text.find(s) + len(s) for s in stops if s in text]
+                if ends:
+                    hits[k] = (length, text[: min(ends)])
+                    break
+            row.searched = len(ids)
+        if hits:
+            self.runner.finish([k for k in hits if not done[k]])
+        return hits
+
+    def _retire(self, rows: list[_Row], finished: list[int], made: list[int], stopped: dict[int, tuple[int, str]],
+                stop_ids: set[int], results: list, n: int) -> None:
+        lengths = [stopped[k][0] if k in stopped else made[k] for k in finished]
+        outputs = self.runner.outputs(finished, lengths)
+        plain = [k for k in finished if k not in stopped]
+        texts = dict(zip(plain, self.tokenizer.decode_batch([outputs[finished.index(k)][0] for k in plain]))) if plain else {}
+        for k, (ids, logprobs) in zip(finished, outputs):
+            row = rows[k]
+            if k in stopped:
+                text, reason = stopped[k][1], "stop"
+            else:
+                text, reason = texts[k], "stop" if ids and ids[-1] in stop_ids else "length"
+            results[row.prompt_index * n + row.sample_index] = Generation(
+                prompt_index=row.prompt_index, prompt_ids=list(row.prompt_ids), output_ids=ids, text=text,
+                logprobs=logprobs, finish_reason=reason)
+            self.cache.allocator.free(row.blocks)
+        for k in finished:
+            rows[k].blocks = []

@@ -1,0 +1,77 @@
+"""What a generation call asks for and what it returns, shared by every engine.
+
+`Sampling` is one call's settings (validated on construction, so a bad value is a ValueError
+naming the field) and `Generation` one sampled completion. Conventions every engine keeps, so a
+trainer can consume results without re-deriving them:
+
+- `logprobs[k]` is log_softmax of the *raw* model logits (temperature 1, no top-k / top-p) at
+  output token k: the trainer recomputes exactly this quantity, and the RL loss compares the two.
+- `output_ids` include the token that ended the sequence (eos or a stop token id), with its
+  logprob, so the policy also learns to stop. `text` is decoded with special tokens skipped.
+- On a stop string, `output_ids` keep every token up to and including the one that completed it,
+  and `text` is cut right after the stop string (a multi-character token may reach past it).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+MAX_SAMPLES_PER_PROMPT = 1024
+
+
+@dataclass(frozen=True, kw_only=True)
+class Sampling:
+    """Sampling settings for one `generate` call. temperature 0 means greedy."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0: no top-k filtering
+    max_new_tokens: int = 128
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    n: int = 1
+    seed: int | None = None
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if not (self.temperature >= 0 and math.isfinite(self.temperature)):
+            raise ValueError(f"temperature: must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p: must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k: must be >= 0, got {self.top_k}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens: must be >= 1, got {self.max_new_tokens}")
+        if not 1 <= self.n <= MAX_SAMPLES_PER_PROMPT:
+            raise ValueError(f"n: must be in [1, {MAX_SAMPLES_PER_PROMPT}], got {self.n}")
+        if any(not s for s in self.stop):
+            raise ValueError("stop: stop strings must be non-empty")
+
+
+@dataclass(frozen=True)
+class Generation:
+    """One sampled completion of prompt `prompt_index`; finish_reason is "stop" or "length"."""
+
+    prompt_index: int
+    prompt_ids: list[int]
+    output_ids: list[int]
+    text: str
+    logprobs: list[float]
+    finish_reason: str
+
+
+def validate_prompts(prompts_ids: list[list[int]], sampling: Sampling, vocab_size: int, max_positions: int) -> None:
+    """ValueError naming the field for prompts a model cannot take."""
+    for i, prompt in enumerate(prompts_ids):
+        if not prompt:
+            raise ValueError(f"prompts_ids: prompt {i} is empty")
+        if min(prompt) < 0 or max(prompt) >= vocab_size:
+            raise ValueError(f"prompts_ids: prompt {i} has token ids outside [0, {vocab_size})")
+        if len(prompt) + sampling.max_new_tokens > max_positions:
+            raise ValueError(
+                f"max_new_tokens: prompt {i} has {len(prompt)} tokens, and {len(prompt)} + "
+                f"{sampling.max_new_tokens} exceeds max_position_embeddings={max_positions}"
+            )
+    if any(not 0 <= t < vocab_size for t in sampling.stop_token_ids):
+        raise ValueError(f"stop_token_ids: ids must be in [0, {vocab_size})")
