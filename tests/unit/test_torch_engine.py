@@ -93,14 +93,19 @@ def test_cache_overflow_is_an_error():
 # --- generation ------------------------------------------------------------------------------
 
 
-def paged_generate(model, tokenizer, prompts, sampling, *, max_batch_size: int = 256, device="cpu"):
-    core = GenerationCore(model, tokenizer, torch.device(device), CoreSettings(max_batch_size=max_batch_size))
-    return core.generate(prompts, sampling)
+def paged_generate(model, tokenizer, prompts, sampling, *, max_batch_size: int = 256, device="cpu", check_every=0):
+    settings = CoreSettings(max_batch_size=max_batch_size, check_every=check_every)
+    return GenerationCore(model, tokenizer, torch.device(device), settings).generate(prompts, sampling)
 
 
-@pytest.fixture(params=["paged", "eager"])
+def paged_every_8(model, tokenizer, prompts, sampling, **kwargs):
+    """The host looks at the rows every 8 steps, as on a GPU: rows finish between looks."""
+    return paged_generate(model, tokenizer, prompts, sampling, check_every=8, **kwargs)
+
+
+@pytest.fixture(params=["paged", "paged-every-8", "eager"])
 def generate(request):
-    return paged_generate if request.param == "paged" else torch_engine.generate
+    return {"paged": paged_generate, "paged-every-8": paged_every_8, "eager": torch_engine.generate}[request.param]
 
 
 def test_greedy_equals_uncached_argmax_loop(generate):
@@ -120,7 +125,7 @@ def test_rows_finishing_early_leave_others_unchanged(generate, monkeypatch):
     compactions = []
     select_rows = KVCache.select_rows
     monkeypatch.setattr(KVCache, "select_rows", lambda self, rows: (compactions.append(len(rows)), select_rows(self, rows)))
-    if generate is paged_generate:
+    if generate is not torch_engine.generate:
         from services.rollout.builtin.runner import ModelRunner
         keep = ModelRunner.keep
         monkeypatch.setattr(ModelRunner, "keep", lambda self, slots: (compactions.append(len(slots)), keep(self, slots)))

@@ -1,0 +1,111 @@
+"""What the paged engine promises beyond the generation contract both generators keep
+(tests/unit/test_torch_engine.py): draws that depend on each row alone, a prompt's prefill shared
+by its samples, admission bounded by KV blocks, every block given back (also on a cancel), and
+samples distributed as the softmax says."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.rollout.builtin.core import CoreSettings, GenerationCore
+from services.rollout.builtin.scheduler import GenerationCancelled, PromptTooLong
+from services.rollout.types import Sampling
+from tests.unit.test_torch_engine import TOKENIZER, _full_logits, _model, _prompts
+
+torch.set_num_threads(1)
+
+LONG = TOKENIZER.encode("the quick brown fox jumps over it")  # 33 tokens: 2 full blocks and a partial one
+
+
+def _core(model, **settings) -> GenerationCore:
+    return GenerationCore(model, TOKENIZER, torch.device("cpu"), CoreSettings(**settings))
+
+
+def _free_blocks_all_back(core: GenerationCore) -> bool:
+    allocator = core.cache.allocator
+    return allocator.num_free == allocator.num_blocks - 1
+
+
+def test_seeded_draws_do_not_depend_on_batching():
+    model = _model()
+    sampling = Sampling(temperature=1.0, top_p=0.9, max_new_tokens=12, n=3, seed=11, ignore_eos=True)
+    prompts = _prompts() + [LONG]
+    runs = [_core(model, max_batch_size=b, check_every=c).generate(prompts, sampling) for b, c in ((256, 1), (2, 1), (5, 8))]
+    assert [r.output_ids for r in runs[0]] == [r.output_ids for r in runs[1]] == [r.output_ids for r in runs[2]]
+    assert len({tuple(r.output_ids) for r in runs[0]}) > len(prompts)  # samples differ from each other
+
+
+def test_samples_sharing_a_prompts_blocks_match_a_full_forward():
+    model = _model(dtype=torch.float32)
+    core = _core(model, max_batch_size=4)
+    results = core.generate([LONG, _prompts()[1]], Sampling(temperature=1.0, max_new_tokens=20, n=5, seed=2, ignore_eos=True))
+    for result in results:
+        logprobs = torch.log_softmax(_full_logits(model, result.prompt_ids + result.output_ids), dim=-1)
+        start = len(result.prompt_ids)
+        expected = [logprobs[start - 1 + k, tok].item() for k, tok in enumerate(result.output_ids)]
+        assert result.logprobs == pytest.approx(expected, abs=1e-4)
+    greedy = core.generate([LONG], Sampling(temperature=0, max_new_tokens=20, n=3, ignore_eos=True))
+    assert greedy[0].output_ids == greedy[1].output_ids == greedy[2].output_ids
+    assert core.scheduler.last_stats.prefills == 1  # one prefill for the three samples
+    assert _free_blocks_all_back(core)
+
+
+def test_admission_waits_for_blocks_and_a_prompt_that_cannot_fit_is_refused(monkeypatch):
+    model = _model()
+    sampling = Sampling(temperature=0, max_new_tokens=20, ignore_eos=True)
+    prompts = _prompts() * 2
+    plenty = _core(model).generate(prompts, sampling)
+    # 7 blocks: a row needs 2 (prompt + 20 new tokens < 32 positions), so 3 run at a time.
+    monkeypatch.setattr(GenerationCore, "_cpu_blocks", lambda self, longest, rows: 7)
+    core = _core(model)
+    scarce = core.generate(prompts, sampling)
+    assert [r.output_ids for r in scarce] == [r.output_ids for r in plenty]
+    assert core.scheduler.last_stats.max_rows == 3
+    assert _free_blocks_all_back(core)
+    monkeypatch.setattr(GenerationCore, "_cpu_blocks", lambda self, longest, rows: 3)
+    tiny = _core(model)
+    with pytest.raises(PromptTooLong, match="prompts_ids: prompt 0 .* needs 4 KV blocks"):
+        tiny.generate([LONG], Sampling(temperature=0, max_new_tokens=20, ignore_eos=True))
+    assert _free_blocks_all_back(tiny)
+
+
+def test_a_cancelled_call_stops_and_gives_every_block_back():
+    model = _model()
+    core = _core(model, max_batch_size=3)
+    polls = []
+
+    def cancelled() -> bool:
+        polls.append(1)
+        return len(polls) > 4
+
+    with pytest.raises(GenerationCancelled):
+        core.generate(_prompts() * 3, Sampling(max_new_tokens=40, ignore_eos=True, seed=0), cancelled)
+    assert len(polls) == 5 and _free_blocks_all_back(core)
+    assert len(core.generate(_prompts(), Sampling(max_new_tokens=3, seed=0))) == 4  # usable after
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 0, 1.0), (1.0, 3, 1.0), (1.0, 0, 0.8)])
+def test_first_tokens_follow_the_filtered_softmax(temperature, top_k, top_p):
+    """1000 draws of one token: each token's frequency within 5 standard errors of its probability."""
+    model = _model(dtype=torch.float32)
+    with torch.no_grad():
+        model.model.embed_tokens.weight.mul_(0.15)  # a spread-out distribution: many tokens matter
+    prompt = _prompts()[0]
+    draws = 1000
+    results = _core(model, max_batch_size=1000).generate(
+        [prompt], Sampling(temperature=temperature, top_k=top_k, top_p=top_p, max_new_tokens=1, n=draws, seed=5))
+    counts = torch.bincount(torch.tensor([r.output_ids[0] for r in results]), minlength=TOKENIZER.vocab_size).double()
+    scores = _full_logits(model, prompt)[-1] / temperature
+    if top_k:
+        scores[scores < scores.topk(top_k).values[-1]] = float("-inf")
+    if top_p < 1:
+        ordered, order = scores.sort(descending=True)
+        probs = ordered.softmax(-1)
+        drop = torch.zeros_like(probs, dtype=torch.bool).scatter(0, order, probs.cumsum(-1) - probs >= top_p)
+        scores[drop] = float("-inf")
+    expected = scores.softmax(-1)
+    assert (expected > 0.02).sum() >= 3  # the test can tell distributions apart
+    stderr = (expected * (1 - expected) / draws).sqrt()
+    assert ((counts / draws - expected).abs() <= 5 * stderr + 1e-9).all(), (counts / draws, expected)
+    assert counts[expected == 0].sum() == 0
