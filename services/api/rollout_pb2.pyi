@@ -20,7 +20,7 @@ FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_ABORT: FinishReason
 
 class RolloutConfig(_message.Message):
-    __slots__ = ("model_path", "engine", "device", "dtype", "seed", "max_batch_size", "load_weights")
+    __slots__ = ("model_path", "engine", "device", "dtype", "seed", "max_batch_size", "load_weights", "kv_cache_fraction", "cuda_graphs")
     MODEL_PATH_FIELD_NUMBER: _ClassVar[int]
     ENGINE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
@@ -28,6 +28,8 @@ class RolloutConfig(_message.Message):
     SEED_FIELD_NUMBER: _ClassVar[int]
     MAX_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     LOAD_WEIGHTS_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_FRACTION_FIELD_NUMBER: _ClassVar[int]
+    CUDA_GRAPHS_FIELD_NUMBER: _ClassVar[int]
     model_path: str
     engine: str
     device: str
@@ -35,7 +37,9 @@ class RolloutConfig(_message.Message):
     seed: int
     max_batch_size: int
     load_weights: bool
-    def __init__(self, model_path: _Optional[str] = ..., engine: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., seed: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., load_weights: _Optional[bool] = ...) -> None: ...
+    kv_cache_fraction: float
+    cuda_graphs: bool
+    def __init__(self, model_path: _Optional[str] = ..., engine: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., seed: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., load_weights: _Optional[bool] = ..., kv_cache_fraction: _Optional[float] = ..., cuda_graphs: _Optional[bool] = ...) -> None: ...
 
 class ConfigureRolloutRequest(_message.Message):
     __slots__ = ("config", "request_id")

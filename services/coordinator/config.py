@@ -96,6 +96,11 @@ class RolloutConfig:
         devices: where the engines run (cpu, cuda or cuda:N), taken in turn: engine k gets
             devices[k % len(devices)]; empty = the trainer's device. [cuda:1] puts every engine
             on GPU 1 beside a trainer on GPU 0, and weights then move by NCCL broadcast.
+        max_batch_size: rows an engine decodes together (continuous batching fills freed rows).
+        kv_cache_fraction: share of the GPU memory free when an engine first generates that its
+            KV cache takes (like other engines' memory-utilisation setting); the cache and the
+            decode graphs are freed whenever the engine releases its memory (colocate).
+        cuda_graphs: replay each decode step as a captured CUDA graph (GPU engines).
     """
 
     prompts_per_step: int = 16
@@ -103,11 +108,16 @@ class RolloutConfig:
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     num_engines: int = 1
     devices: tuple[str, ...] = ()
+    max_batch_size: int = 256
+    kv_cache_fraction: float = 0.5
+    cuda_graphs: bool = True
 
     def __post_init__(self) -> None:
         _check(self.prompts_per_step >= 1, "prompts_per_step", f"must be >= 1, got {self.prompts_per_step}")
         _check(self.samples_per_prompt >= 1, "samples_per_prompt", f"must be >= 1, got {self.samples_per_prompt}")
         _check(self.num_engines >= 1, "num_engines", f"must be >= 1, got {self.num_engines}")
+        _check(self.max_batch_size >= 1, "max_batch_size", f"must be >= 1, got {self.max_batch_size}")
+        _check(0 < self.kv_cache_fraction <= 0.95, "kv_cache_fraction", f"must be in (0, 0.95], got {self.kv_cache_fraction}")
         for device in self.devices:
             _check(bool(_DEVICE_RE.fullmatch(device)), "devices", f"expected cpu, cuda or cuda:N, got {device!r}")
 

@@ -150,6 +150,9 @@ class RLLoop:
                 seed=self.job.seed,
                 # exact verification starts engines from scrambled weights: only the sync can fix them
                 load_weights=not (exact and self.fleet.trainers),
+                max_batch_size=self.job.rollout.max_batch_size,
+                kv_cache_fraction=self.job.rollout.kv_cache_fraction,
+                cuda_graphs=self.job.rollout.cuda_graphs,
             ))
         self.fleet.in_pool = set(range(len(self.fleet.engines)))
         if self.fleet.trainers:
@@ -291,6 +294,7 @@ class RLLoop:
             for sample, ref in zip(batch.samples, trainer.compute_logprobs("ref", batch)):
                 sample.ref_logprobs.extend(ref)
         train_metrics, _ = trainer.train_step(batch)
+        slept = time.perf_counter()
         if job.trainer.offload:  # every sync of an offloaded trainer reads its host copy
             for t in self.fleet.trainers:
                 t.sleep()
@@ -307,6 +311,7 @@ class RLLoop:
             "train_s": t2 - t1,
             "sync_s": sync["seconds"],
             "sync_from_host": float(sync["source"] == "host"),
+            **({"sleep_s": t2 - slept} if job.trainer.offload else {}),
             "weights_version": float(self.weights_version),
             **{f"train/{k}": v for k, v in train_metrics.items()},
         }

@@ -15,9 +15,11 @@ import grpc
 
 from services import devices, profiling, rpc
 from services.api import rollout_pb2, rollout_pb2_grpc, trainer_pb2, weights_pb2
-from services.rollout.engine import EngineStateError, EngineUnavailable, RolloutEngine, RolloutSettings
 from services.rollout import receiver
-from services.rollout.torch_engine import Sampling
+from services.rollout.builtin.scheduler import GenerationCancelled
+from services.rollout.engine import EngineStateError, EngineUnavailable, RolloutSettings
+from services.rollout.protocol import GenerationEngine, build_engine
+from services.rollout.types import Sampling
 from services.weights import capabilities, shm
 from services.weights.broadcast import WeightGroup
 from services.weights.errors import InvalidChunk, WeightSyncError
@@ -32,6 +34,7 @@ _ERRORS = {
     EngineUnavailable: grpc.StatusCode.UNAVAILABLE,
     EngineStateError: grpc.StatusCode.FAILED_PRECONDITION,
     WeightSyncError: grpc.StatusCode.ABORTED,
+    GenerationCancelled: grpc.StatusCode.CANCELLED,
 }
 _FINISH = {"stop": rollout_pb2.FINISH_REASON_STOP, "length": rollout_pb2.FINISH_REASON_LENGTH}
 log = rpc.get_logger("rollout")
@@ -53,13 +56,13 @@ def sampling_from_proto(p: rollout_pb2.SamplingParams) -> Sampling:
 
 class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
     def __init__(self):
-        self._engine: RolloutEngine | None = None
+        self._engine: GenerationEngine | None = None
         self._update_lock = threading.Lock()
         self._groups: dict[str, WeightGroup] = {}
         self._staging: receiver.Staging | None = None
         self._shm = shm.ShmReader()
 
-    def _require(self, context) -> RolloutEngine:
+    def _require(self, context) -> GenerationEngine:
         if self._engine is None:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, "engine is not configured: call Configure first")
         devices.use(self._engine.device)  # this pool thread may start on another GPU
@@ -90,9 +93,11 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
                 seed=c.seed,
                 max_batch_size=c.max_batch_size or 256,
                 load_weights=c.load_weights,
+                kv_cache_fraction=c.kv_cache_fraction if c.HasField("kv_cache_fraction") else 0.5,
+                cuda_graphs=c.cuda_graphs if c.HasField("cuda_graphs") else True,
             )
             devices.use(settings.device)
-            self._engine = RolloutEngine(settings)
+            self._engine = build_engine(settings)
             self._staging = receiver.Staging(self._engine.device)
             log.info("configured: %s (%d parameters, %s)", c.model_path, self._engine.num_parameters, settings.device)
             return rollout_pb2.ConfigureRolloutResponse(
@@ -114,7 +119,8 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
             if not prompts_ids:
                 raise ValueError("prompts: no prompts given")
             sampling = sampling_from_proto(request.sampling)
-            results, version = engine.generate(prompts_ids, sampling)
+            # A caller that cancels or runs past its deadline stops the work (checked every round).
+            results, version = engine.generate(prompts_ids, sampling, cancelled=lambda: not context.is_active())
             return rollout_pb2.GenerateResponse(
                 weight_version=version,
                 results=[

@@ -133,3 +133,13 @@ def _masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 def _same_shape(tensor: torch.Tensor, shape: torch.Size, name: str, other: str) -> None:
     if tensor.shape != shape:
         raise ValueError(f"{name}: shape {tuple(tensor.shape)} does not match {other} {tuple(shape)}")
+
+
+def logprob_gap(logprobs: torch.Tensor, engine_logprobs: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+    """Mean and max |trainer - engine| logprob over response tokens [B, T] (the on-policy gap)."""
+    _same_shape(engine_logprobs, logprobs.shape, "engine_logprobs", "logprobs")
+    gap = (logprobs.float() - engine_logprobs.float()).abs()
+    real = mask.bool()
+    if not bool(real.any()):
+        return {"rollout_logprob_gap_mean": 0.0, "rollout_logprob_gap_max": 0.0}
+    return {"rollout_logprob_gap_mean": float(gap[real].mean()), "rollout_logprob_gap_max": float(gap[real].max())}

@@ -304,7 +304,9 @@ class TorchTrainer:
         loss_cfg = self.settings.loss
         if not sft and loss_cfg.kl_coef > 0 and not all(s.ref_logprobs for s in samples):
             raise ValueError("batch: kl_coef > 0 but samples carry no ref_logprobs (call ComputeLogProbs with tag 'ref')")
+        was_asleep = self.asleep
         self.use(ACTOR)
+        woke_s = time.perf_counter() - started
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         for p in self.params:
@@ -318,7 +320,10 @@ class TorchTrainer:
             loss, metrics = self._micro_batch_loss(batch, sft)
             (loss * weight).backward()
             for key, value in metrics.items():
-                sums[key] = sums.get(key, 0.0) + value * weight
+                if key.endswith("_max"):
+                    sums[key] = max(sums.get(key, value), value)
+                else:
+                    sums[key] = sums.get(key, 0.0) + value * weight
         if self.master is not None:
             for p, m in zip(self.params, self.master):
                 m.grad = None if p.grad is None else p.grad.float()
@@ -327,6 +332,8 @@ class TorchTrainer:
             self.master if self.master is not None else self.params, clip if clip > 0 else float("inf")
         )
         sums["grad_norm"] = float(grad_norm)
+        if was_asleep:
+            sums["wake_s"] = woke_s
         scheduled = [group["lr"] for group in self.optimizer.param_groups]
         if lr is not None:
             for group in self.optimizer.param_groups:
@@ -364,6 +371,10 @@ class TorchTrainer:
         )
         loss = pg_loss
         metrics = {"pg_loss": pg_loss.item(), **{k: float(v) for k, v in pg_metrics.items()}}
+        if batch.old_logprobs is not None:
+            # The on-policy gap: these weights made the rollout, so any difference is the engine's
+            # kernels against the trainer's, token for token.
+            metrics.update(losses.logprob_gap(logprobs.detach(), batch.old_logprobs, batch.response_mask))
         if cfg.kl_coef > 0:
             kl = losses.aggregate(
                 losses.kl_penalty(logprobs, batch.ref_logprobs, cfg.kl_estimator), batch.response_mask, cfg.loss_agg

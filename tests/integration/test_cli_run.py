@@ -4,6 +4,7 @@ mistake or a dead service gives a non-zero exit with the reason."""
 from __future__ import annotations
 
 import json
+import re
 import os
 import signal
 import subprocess
@@ -53,6 +54,8 @@ def test_run_writes_summary_metrics_and_plot(tmp_path, tiny_model_dir, task_file
     assert summary["steps"] == 2 and summary["wall_s"] > 0
     assert 0.0 <= summary["eval_before"] <= 1.0 and 0.0 <= summary["eval_after"] <= 1.0
     assert "== summary ==" in out and "heldout" in out
+    steps = [line for line in out.splitlines() if line.startswith("step ")]  # where each step's time went
+    assert len(steps) == 2 and all(re.search(r"s: generate [\d.]+, train [\d.]+, sync [\d.]+\)$", s) for s in steps), steps
     assert len((tmp_path / "out" / "metrics.jsonl").read_text().splitlines()) == 2
     assert len((tmp_path / "out" / "eval.jsonl").read_text().splitlines()) == 3  # before, step 1, after
     assert (tmp_path / "out" / "reward_curve.png").read_bytes()[:4] == b"\x89PNG"

@@ -168,6 +168,8 @@ def test_one_full_rl_step_through_the_coordinator(fleet, tiny_model_dir, task_fi
     assert [s["version"] for s in syncs] == [0, 1]  # the initial sync, then the trained weights
     step = json.loads(next(e.data_json for e in events if e.kind == "step"))
     assert 0.0 <= step["reward_mean"] <= 1.0 and "train/pg_loss" in step
+    # The on-policy gap, every step: trainer and engine run the same float32 math on one CPU.
+    assert 0.0 <= step["train/rollout_logprob_gap_mean"] <= step["train/rollout_logprob_gap_max"] < 1e-4
     summary = json.loads(final.summary_json)
     assert summary["steps"] == 1 and 0.0 <= summary["eval_after"] <= 1.0
     assert (tmp_path / "out" / "metrics.jsonl").read_text().count("\n") == 1

@@ -1,0 +1,62 @@
+"""The seam between the rollout service and a generation engine.
+
+The servicer and the weight receiver see an engine only through `GenerationEngine`; which one
+runs is the `engine` setting, looked up in `ENGINES`. The built-in engine (`engine: torch`,
+`services.rollout.engine.RolloutEngine`) implements it over `services.rollout.builtin`; another
+backend (SGLang over its HTTP API, say) is one more module with the same methods and one more
+entry here, with no edit to the servicer.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Protocol
+
+import torch
+
+from services.models.tokenizer import Tokenizer
+from services.rollout.types import Generation, Sampling
+from services.weights.buckets import Manifest
+
+
+class GenerationEngine(Protocol):
+    device: torch.device
+    tokenizer: Tokenizer
+    weight_version: int
+    serving: bool
+    last_error: str
+    released: set[str]
+    checkpoint_step: int
+    holds_buffers: bool  # the last `apply` kept the staged buffers as the model's weights
+    last_apply_seconds: float
+
+    @property
+    def num_parameters(self) -> int: ...
+
+    def generate(self, prompts_ids: list[list[int]], sampling: Sampling,
+                 cancelled: Callable[[], bool] | None = None) -> tuple[list[Generation], int]:
+        """Completions (prompt-major) and the one weight version that made all of them."""
+
+    def read_manifest(self, msg) -> Manifest:
+        """A received manifest, validated against this engine's model (ManifestMismatch if not)."""
+
+    def apply(self, manifest: Manifest, buffers: list[torch.Tensor], *, read_back: bool = False,
+              adopt: bool = False, owned: bool = False) -> int:
+        """Load verified buckets and switch to the manifest's version atomically; bytes loaded."""
+
+    def leave_pool(self, reason: str) -> None: ...
+
+    def release_memory(self, tags: list[str]) -> None: ...
+
+    def resume_memory(self, tags: list[str]) -> None: ...
+
+    def fingerprints(self, algo: str, bucket_bytes: int) -> list[str]: ...
+
+
+def build_engine(settings) -> GenerationEngine:
+    """The engine `settings.engine` names (settings: `services.rollout.engine.RolloutSettings`)."""
+    from services.rollout.engine import RolloutEngine  # the built-in engine; others register below
+
+    engines: dict[str, Callable[..., GenerationEngine]] = {"torch": RolloutEngine}
+    if settings.engine not in engines:
+        raise ValueError(f"engine: unknown engine {settings.engine!r} (available: {', '.join(sorted(engines))})")
+    return engines[settings.engine](settings)
