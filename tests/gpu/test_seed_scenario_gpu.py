@@ -19,11 +19,11 @@ EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "arith"
 TWO_GPUS = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs (the device kind nvidia-h200-x2)")
 
 
-@pytest.mark.parametrize(("trainer_device", "engine_devices", "plane"), [
-    pytest.param("cuda", "[]", "cuda_ipc", id="one-gpu"),
-    pytest.param("cuda:0", "[cuda:1]", "broadcast", id="two-gpus", marks=TWO_GPUS),
+@pytest.mark.parametrize(("trainer_device", "engine_devices", "plane", "colocate"), [
+    pytest.param("cuda", "[]", "cuda_ipc", True, id="one-gpu"),
+    pytest.param("cuda:0", "[cuda:1]", "broadcast", False, id="two-gpus", marks=TWO_GPUS),
 ])
-def test_offloaded_exact_rl_job(tmp_path, trainer_device, engine_devices, plane):
+def test_offloaded_exact_rl_job(tmp_path, trainer_device, engine_devices, plane, colocate):
     job = tmp_path / "job.yaml"
     job.write_text(
         textwrap.dedent(
@@ -36,7 +36,7 @@ def test_offloaded_exact_rl_job(tmp_path, trainer_device, engine_devices, plane)
             rollout: {{prompts_per_step: 32, samples_per_prompt: 8, sampling: {{max_new_tokens: 5}}, devices: {engine_devices}}}
             data: {{train: {EXAMPLE / 'data' / 'train.jsonl'}}}
             eval: {{every: 2, datasets: [{{name: heldout, path: {EXAMPLE / 'data' / 'test.jsonl'}, limit: 200, sampling: {{max_new_tokens: 5}}}}]}}
-            trainer: {{device: {trainer_device}, offload: true, optimizer: {{lr: 1.0e-4}}}}
+            trainer: {{device: {trainer_device}, offload: true, colocate: {str(colocate).lower()}, optimizer: {{lr: 1.0e-4}}}}
             weight_sync: {{verify: exact}}
             """
         )
@@ -54,3 +54,8 @@ def test_offloaded_exact_rl_job(tmp_path, trainer_device, engine_devices, plane)
     assert f"': '{plane}'" in result.stdout  # the negotiated plane (logged as {engine address: plane})
     evals = [json.loads(line) for line in (tmp_path / "out" / "eval.jsonl").read_text().splitlines()]
     assert len(evals) == 3
+    # each step says where its time went, sleep and wake included; the on-policy gap is float32-small
+    lines = [line for line in result.stdout.splitlines() if line.startswith("step ")]
+    assert len(lines) == 4 and all("generate" in l and "wake" in l and "sleep" in l and "sync" in l for l in lines), lines
+    print("\n".join(lines))
+    assert all(s.get("metrics", s)["train/rollout_logprob_gap_max"] < 1e-3 for s in steps)

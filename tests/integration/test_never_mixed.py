@@ -9,6 +9,7 @@ weights at that version (pulled over GetWeights once the trainer has stopped cha
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -40,18 +41,19 @@ def model_dir(tmp_path_factory):
                            num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4, head_dim=64)
 
 
-@pytest.fixture
-def trainer_and_engine(tmp_path, model_dir):
-    local = LocalFleet(tmp_path / "logs", env={"OMP_NUM_THREADS": "1"})
+@contextlib.contextmanager
+def trainer_and_engine(logs, model_dir, device: str = "cpu", offload: bool = False):
+    """A configured trainer and engine, each its own process, both on `device`."""
+    local = LocalFleet(logs, env={"OMP_NUM_THREADS": "1"})
     try:
         local.start("trainer", "trainer-0", [])
         local.start("rollout", "rollout-0", [])
         local.wait_ready()
         trainer, engine = TrainerClient(local.children[0].address), RolloutClient(local.children[1].address)
-        trainer.configure(trainer_pb2.TrainerConfig(model_path=str(model_dir), bucket_bytes=8 << 20,
-                                                    optimizer=trainer_pb2.OptimizerConfig(lr=3e-3)))
-        engine.configure(rollout_pb2.RolloutConfig(model_path=str(model_dir), load_weights=True))
-        yield local, trainer, engine
+        trainer.configure(trainer_pb2.TrainerConfig(model_path=str(model_dir), bucket_bytes=8 << 20, device=device,
+                                                    offload=offload, optimizer=trainer_pb2.OptimizerConfig(lr=3e-3)))
+        engine.configure(rollout_pb2.RolloutConfig(model_path=str(model_dir), load_weights=True, device=device))
+        yield trainer, engine
     finally:
         stop_fleet(local, log_lines=20)
 
@@ -59,8 +61,8 @@ def trainer_and_engine(tmp_path, model_dir):
 class _Reference:
     """What each complete version answers, computed from the trainer's weights in this process."""
 
-    def __init__(self, model_dir, trainer: TrainerClient):
-        self._engine = RolloutEngine(RolloutSettings(model_path=str(model_dir)))
+    def __init__(self, model_dir, trainer: TrainerClient, device: str):
+        self._engine = RolloutEngine(RolloutSettings(model_path=str(model_dir), device=device))
         self._trainer = trainer
         self.answers: dict[int, list] = {}  # version -> [(output_ids, logprobs)] per prompt
         self.prints: dict[int, list[str]] = {}  # version -> sha256 of 8 MiB buckets
@@ -133,9 +135,16 @@ def _corrupt_one_fingerprint(manifest: weights_pb2.WeightManifest) -> weights_pb
 
 
 @pytest.mark.parametrize("plane", ["grpc_stream", "shm", "broadcast"])
-def test_generate_during_syncs_answers_only_complete_versions(trainer_and_engine, model_dir, plane):
-    _, trainer, engine = trainer_and_engine
-    reference = _Reference(model_dir, trainer)
+def test_generate_during_syncs_answers_only_complete_versions(tmp_path, model_dir, plane):
+    with trainer_and_engine(tmp_path / "logs", model_dir) as (trainer, engine):
+        check_never_mixed(trainer, engine, model_dir, plane, device="cpu")
+
+
+def check_never_mixed(trainer: TrainerClient, engine: RolloutClient, model_dir, plane: str, *, device: str,
+                      offload: bool = False) -> None:
+    """Three syncs and a refused one with Generate running throughout; every answer must be
+    what the complete version it names gives (the reference runs on the same device)."""
+    reference = _Reference(model_dir, trainer, device)
     reference.record()  # version 0: what both load from disk
     pool = ThreadPoolExecutor(4)
     syncer = make_syncer(trainer, [engine], pool, plane=plane, timeout_s=30.0)
@@ -144,11 +153,15 @@ def test_generate_during_syncs_answers_only_complete_versions(trainer_and_engine
         with _Hammer(engine) as hammer:
             for _ in range(3):
                 trainer.train_step(trainer_pb2.Batch(samples=[SAMPLE]))
+                if offload:
+                    trainer.sleep()  # the sync reads the host copy
                 assert syncer.sync({0}).ok == {0}
                 served = reference.record()
             # A refused sync: the engine receives every byte of the next version, then one
             # bucket's fingerprint does not match.
             trainer.train_step(trainer_pb2.Batch(samples=[SAMPLE]))
+            if offload:
+                trainer.sleep()
             trainer.weight_manifest = lambda *a, **kw: _corrupt_one_fingerprint(real_manifest(*a, **kw))
 
             def corrupt_push(*a, **kw):

@@ -169,25 +169,30 @@ def _hash32(x):
 
 
 @triton.jit
-def _sample_kernel(logits_ptr, scores_ptr, keys_ptr, steps_ptr, inv_temp_ptr, tok_ptr, lp_ptr, vocab,
-                   stride_logits, stride_scores, GREEDY: tl.constexpr, SCALE_SCORES: tl.constexpr,
-                   BLOCK_V: tl.constexpr):
+def _sample_chunk_kernel(logits_ptr, scores_ptr, keys_ptr, steps_ptr, inv_temp_ptr, part_ptr, tok_part_ptr, vocab,
+                         chunk, stride_logits, stride_scores, NUM_CHUNKS: tl.constexpr, GREEDY: tl.constexpr,
+                         SCALE_SCORES: tl.constexpr, BLOCK_V: tl.constexpr):
+    """One vocabulary chunk of one row: its max and exp-sum of the raw logits, and its best
+    (noised) score and token. Chunks let a small batch spread one row over many programs."""
     row = tl.program_id(0)
+    c = tl.program_id(1)
     cols = tl.arange(0, BLOCK_V)
     key = tl.load(keys_ptr + row).to(tl.int64)
     step = tl.load(steps_ptr + row).to(tl.int64)
     step_key = _hash32((key + step * 0x9E3779B9) & 0xFFFFFFFF)
     inv_temp = tl.load(inv_temp_ptr)
-    m = tl.full((BLOCK_V,), float("-inf"), tl.float32)  # per lane: running max and sum for the logsumexp
+    m = tl.full((BLOCK_V,), float("-inf"), tl.float32)  # per lane: running max and exp-sum (logsumexp)
     total = tl.zeros((BLOCK_V,), tl.float32)
     best = tl.full((BLOCK_V,), float("-inf"), tl.float32)  # per lane: best score so far and its token
     best_tok = tl.zeros((BLOCK_V,), tl.int32)
-    for first in range(0, vocab, BLOCK_V):
+    start = c * chunk
+    end = tl.minimum(start + chunk, vocab)
+    for first in range(start, end, BLOCK_V):
         v = first + cols
-        ok = v < vocab
+        ok = v < end
         x = tl.load(logits_ptr + row * stride_logits + v, mask=ok, other=float("-inf")).to(tl.float32)
         m_new = tl.maximum(m, x)
-        seen = m_new > float("-inf")  # lanes past the vocabulary's end may never see a logit
+        seen = m_new > float("-inf")  # a lane may see no logit at all
         total = tl.where(seen, total * tl.exp(m - m_new) + tl.where(ok, tl.exp(x - m_new), 0.0), 0.0)
         m = m_new
         if GREEDY:
@@ -198,14 +203,36 @@ def _sample_kernel(logits_ptr, scores_ptr, keys_ptr, steps_ptr, inv_temp_ptr, to
                 score = score * inv_temp
             bits = _hash32((step_key + v.to(tl.int64) * 0x2545F491) & 0xFFFFFFFF)
             u = ((bits >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
-            score = score - tl.log(-tl.log(u))
+            score = tl.where(ok, score - tl.log(-tl.log(u)), float("-inf"))
         better = score > best  # strictly: the lowest token id wins a tie, as argmax does
         best = tl.where(better, score, best)
         best_tok = tl.where(better, v, best_tok)
-    top = tl.max(best, axis=0)
-    token = tl.min(tl.where(best == top, best_tok, 2147483647), axis=0)
-    row_max = tl.max(m, axis=0)
-    lse = row_max + tl.log(tl.sum(tl.where(m > float("-inf"), total * tl.exp(m - row_max), 0.0), axis=0))
+    chunk_max = tl.max(m, axis=0)
+    chunk_total = tl.sum(tl.where(m > float("-inf"), total * tl.exp(m - chunk_max), 0.0), axis=0)
+    chunk_best = tl.max(best, axis=0)
+    chunk_tok = tl.min(tl.where(best == chunk_best, best_tok, 2147483647), axis=0)
+    part = (row * NUM_CHUNKS + c) * 3
+    tl.store(part_ptr + part, chunk_max)
+    tl.store(part_ptr + part + 1, chunk_total)
+    tl.store(part_ptr + part + 2, chunk_best)
+    tl.store(tok_part_ptr + row * NUM_CHUNKS + c, chunk_tok)
+
+
+@triton.jit
+def _sample_merge_kernel(part_ptr, tok_part_ptr, logits_ptr, tok_ptr, lp_ptr, stride_logits, NUM_CHUNKS: tl.constexpr,
+                         CHUNKS_PAD: tl.constexpr):
+    row = tl.program_id(0)
+    c = tl.arange(0, CHUNKS_PAD)
+    ok = c < NUM_CHUNKS
+    part = (row * NUM_CHUNKS + c) * 3
+    m = tl.load(part_ptr + part, mask=ok, other=float("-inf"))
+    total = tl.load(part_ptr + part + 1, mask=ok, other=0.0)
+    best = tl.load(part_ptr + part + 2, mask=ok, other=float("-inf"))
+    toks = tl.load(tok_part_ptr + row * NUM_CHUNKS + c, mask=ok, other=2147483647)
+    top = tl.max(m, axis=0)
+    lse = top + tl.log(tl.sum(tl.where(m > float("-inf"), total * tl.exp(m - top), 0.0), axis=0))
+    winner = tl.max(best, axis=0)
+    token = tl.min(tl.where(best == winner, toks, 2147483647), axis=0)  # chunks hold ascending ids
     chosen = tl.load(logits_ptr + row * stride_logits + token).to(tl.float32)
     tl.store(tok_ptr + row, token.to(tl.int64))
     tl.store(lp_ptr + row, chosen - lse)
@@ -265,11 +292,33 @@ class TritonOps(TorchOps):
 
     def sample(self, logits, keys, steps, inv_temperature, greedy, scores=None):
         batch, vocab = logits.shape
-        tokens = torch.empty(batch, dtype=torch.int64, device=logits.device)
-        logprobs = torch.empty(batch, dtype=torch.float32, device=logits.device)
+        device = logits.device
+        block = 1024
+        # enough programs to fill the GPU: a row's vocabulary in chunks when the batch is small
+        chunks = max(1, min(64, triton.cdiv(vocab, 8 * block), -(-2 * _sm_count(device) // batch)))
+        chunk = triton.cdiv(triton.cdiv(vocab, chunks), block) * block
+        chunks = triton.cdiv(vocab, chunk)
+        part = torch.empty(batch, chunks, 3, dtype=torch.float32, device=device)
+        tok_part = torch.empty(batch, chunks, dtype=torch.int32, device=device)
         use = logits if scores is None else scores
-        _sample_kernel[(batch,)](logits, use, keys, steps, inv_temperature, tokens, logprobs, vocab,
-                                 logits.stride(0), use.stride(0), GREEDY=greedy, SCALE_SCORES=scores is None,
-                                 BLOCK_V=1024, num_warps=4)
+        _sample_chunk_kernel[(batch, chunks)](logits, use, keys, steps, inv_temperature, part, tok_part, vocab, chunk,
+                                              logits.stride(0), use.stride(0), NUM_CHUNKS=chunks, GREEDY=greedy,
+                                              SCALE_SCORES=scores is None, BLOCK_V=block, num_warps=4)
+        tokens = torch.empty(batch, dtype=torch.int64, device=device)
+        logprobs = torch.empty(batch, dtype=torch.float32, device=device)
+        _sample_merge_kernel[(batch,)](part, tok_part, logits, tokens, logprobs, logits.stride(0), NUM_CHUNKS=chunks,
+                                       CHUNKS_PAD=max(2, triton.next_power_of_2(chunks)), num_warps=1)
         return tokens, logprobs
 
+
+
+_SMS: dict[int, int] = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SMS:
+        _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SMS[index]

@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# One device-machine session: install the carried wheels, then run the stages named in $@
+# (gpu-tests, engine-tests, sweep, rl, gap), each under its own time limit, logs and results in $OUT.
+#   bash bench/device.sh engine-tests sweep
+set -uo pipefail
+export PYTHONUNBUFFERED=1 RLFLEET_COMMIT=${RLFLEET_COMMIT:-unknown}
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv,noheader
+for stage in "$@"; do
+  echo "=== $stage ($(date +%T))"
+  case $stage in
+    engine-tests) timeout 300 python3 -m pytest -q -x --timeout 240 tests/gpu/test_engine_gpu.py tests/gpu/test_rollout_updates_gpu.py 2>&1 | tee "$OUT/engine-tests.log" | tail -40 ;;
+    gpu-tests) timeout 480 python3 -m pytest -q --timeout 240 -rA tests/gpu 2>&1 | tee "$OUT/gpu-tests.log" | grep -E "PASS|FAIL|ERROR|passed|failed|^E " | tail -60 ;;
+    sweep) timeout 300 python3 bench/rollout.py --device cuda --parts sweep --out "$OUT/rollout.jsonl" --png "$OUT/rollout.png" ;;
+    sweep-quick) timeout 200 python3 bench/rollout.py --device cuda --parts sweep --repeats 1 --no-profile --out "$OUT/rollout.jsonl" ;;
+    rl) timeout 300 python3 bench/rollout.py --device cuda --parts rl --out "$OUT/rollout.jsonl" ;;
+    gap) timeout 120 python3 bench/rollout.py --device cuda --parts gap --out "$OUT/rollout.jsonl" ;;
+    *) echo "unknown stage $stage" ;;
+  esac
+done

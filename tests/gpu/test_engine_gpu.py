@@ -1,0 +1,143 @@
+"""The paged engine on a GPU: its Triton kernels against the torch ops, greedy outputs equal to
+the eager path's, seeded samples reproducible, replayed graphs that see new weights after a sync,
+and a KV pool that NVML sees freed on ReleaseMemory."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.rollout import torch_engine
+from services.rollout.builtin.core import CoreSettings, GenerationCore
+from services.rollout.builtin.ops import TorchOps, rope_table
+from services.rollout.engine import RolloutEngine, RolloutSettings
+from services.rollout.receiver import Staging
+from services.rollout.types import Sampling
+from tests.conftest import make_tiny_model
+from tests.gpu.test_lifecycle_gpu import _nvml_used_by_me
+from tests.unit.test_rollout_updates import _serves, _trainer_weights, _update
+from tests.unit.test_torch_engine import TOKENIZER, _model, _prompts
+
+pytestmark = pytest.mark.gpu
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12))
+
+
+@pytest.mark.parametrize("dtype,tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+def test_kernels_compute_what_the_torch_ops_compute(dtype, tolerance):
+    from services.rollout.builtin.kernels import TritonOps
+
+    ref, tri = TorchOps(), TritonOps()
+    gen = torch.Generator(device="cuda").manual_seed(0)
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=gen, device="cuda").to(dtype)
+
+    tokens, hidden, heads, kv_heads, dim, block = 37, 896, 14, 2, 64, 16
+    x, residual, weight = rnd(tokens, hidden), rnd(tokens, hidden), rnd(hidden)
+    for res in (None, residual):
+        (h1, r1), (h2, r2) = ref.add_rmsnorm(x, res, weight, 1e-6), tri.add_rmsnorm(x, res, weight, 1e-6)
+        assert _rel(h2, h1) < tolerance and _rel(r2, r1) < tolerance
+    table = rope_table(dim, 1e6, 4096, torch.device("cuda"))
+    qkv = rnd(tokens, (heads + 2 * kv_heads) * dim)
+    q, k, v = qkv.split((heads * dim, kv_heads * dim, kv_heads * dim), dim=-1)
+    positions = torch.randint(0, 4000, (tokens,), device="cuda", dtype=torch.int32)
+    slots = torch.randperm(64 * block, device="cuda")[:tokens].int()
+    for norm in (None, rnd(dim)):
+        caches = [torch.zeros(64 * block, kv_heads, dim, dtype=dtype, device="cuda") for _ in range(4)]
+        q1 = ref.qk_rope_cache(q, k, v, norm, norm, 1e-6, table, positions, slots, caches[0], caches[1])
+        q2 = tri.qk_rope_cache(q, k, v, norm, norm, 1e-6, table, positions, slots, caches[2], caches[3])
+        assert _rel(q2, q1) < tolerance and _rel(caches[2], caches[0]) < tolerance and torch.equal(caches[3], caches[1])
+    k_cache, v_cache = rnd(64 * block, kv_heads, dim), rnd(64 * block, kv_heads, dim)
+    tables = torch.randperm(63, device="cuda")[:48].view(4, 12).int() + 1
+    lengths = torch.tensor([1, 17, 100, 192], device="cuda", dtype=torch.int32)
+    query = rnd(4, heads, dim)
+    expected = ref.decode_attention(query, k_cache, v_cache, tables, lengths, block, 1)
+    for splits in (1, 5, 16):
+        assert _rel(tri.decode_attention(query, k_cache, v_cache, tables, lengths, block, splits), expected) < tolerance
+    gate, up = rnd(tokens, 4864), rnd(tokens, 4864)
+    assert _rel(tri.silu_mul(gate, up), ref.silu_mul(gate, up)) < tolerance
+    logits = rnd(6, 151936) * 4
+    keys = torch.randint(0, 2**32, (6,), device="cuda")
+    steps = torch.randint(0, 1000, (6,), device="cuda", dtype=torch.int32)
+    inv_temp = torch.tensor([1 / 0.8], device="cuda")
+    for greedy in (True, False):
+        (t1, l1), (t2, l2) = ref.sample(logits, keys, steps, inv_temp, greedy), tri.sample(logits, keys, steps, inv_temp, greedy)
+        assert torch.equal(t1, t2) and torch.allclose(l1, l2, atol=1e-4)
+
+
+def _fp32_model(arch: str = "qwen3"):
+    return _model(arch, dtype=torch.float32).cuda()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_greedy_outputs_equal_the_eager_path(arch):
+    torch.backends.cuda.matmul.allow_tf32 = False
+    model = _fp32_model(arch)
+    prompts = _prompts() * 5
+    greedy = Sampling(temperature=0, max_new_tokens=20, ignore_eos=True)
+    eager = torch_engine.generate(model, TOKENIZER, prompts, greedy, device="cuda")
+    core = GenerationCore(model, TOKENIZER, torch.device("cuda"), CoreSettings(max_batch_size=8))
+    paged = core.generate(prompts, greedy)
+    assert core.runner.use_graphs and core.runner.num_graphs > 0
+    assert [r.output_ids for r in paged] == [r.output_ids for r in eager]
+    assert max(abs(a - b) for p, e in zip(paged, eager) for a, b in zip(p.logprobs, e.logprobs)) < 1e-4
+
+
+def test_graphs_replay_exactly_what_the_eager_runner_computes_and_seeds_reproduce():
+    model = _model(dtype=torch.bfloat16).cuda()
+    prompts = _prompts() * 3
+    sampled = Sampling(temperature=0.9, top_p=0.95, max_new_tokens=24, n=3, seed=7, ignore_eos=True)
+    graphs = GenerationCore(model, TOKENIZER, torch.device("cuda"), CoreSettings(max_batch_size=16))
+    a, b = graphs.generate(prompts, sampled), graphs.generate(prompts, sampled)
+    eager = GenerationCore(model, TOKENIZER, torch.device("cuda"), CoreSettings(max_batch_size=16, cuda_graphs=False))
+    c = eager.generate(prompts, sampled)  # the same kernels launched one by one: the same numbers
+    assert [r.output_ids for r in a] == [r.output_ids for r in b] == [r.output_ids for r in c]
+    assert [r.logprobs for r in a] == [r.logprobs for r in c]
+    other = graphs.generate(prompts, Sampling(**{**sampled.__dict__, "seed": 8}))
+    assert [r.output_ids for r in other] != [r.output_ids for r in a]
+
+
+def test_replayed_graphs_serve_the_weights_of_the_latest_sync(tiny_model_dir):
+    engine = RolloutEngine(RolloutSettings(model_path=str(tiny_model_dir), device="cuda"))
+    staging = Staging(engine.device)
+    greedy = Sampling(temperature=0, max_new_tokens=8, ignore_eos=True)
+    prompts = [[3, 4, 5], [6, 7], [8]]
+    w1, w2 = (_trainer_weights(engine, seed) for seed in (1, 2))
+    _update(engine, staging, w1, 1)
+    first, _ = engine.generate(prompts, greedy)
+    graphs = engine.core.runner.num_graphs
+    addresses = [p.data_ptr() for p in engine.model.parameters()]
+    _update(engine, staging, w2, 2)
+    assert _serves(engine, w2) and [p.data_ptr() for p in engine.model.parameters()] == addresses  # copied in
+    second, version = engine.generate(prompts, greedy)
+    assert version == 2 and engine.core.runner.num_graphs == graphs  # the same graphs, replayed
+    fresh = RolloutEngine(RolloutSettings(model_path=str(tiny_model_dir), device="cuda"))
+    _update(fresh, Staging(fresh.device), w2, 2)
+    expected, _ = fresh.generate(prompts, greedy)
+    assert [r.output_ids for r in second] == [r.output_ids for r in expected]
+    assert [r.logprobs for r in second] == [r.logprobs for r in expected]
+    assert [r.output_ids for r in second] != [r.output_ids for r in first]
+
+
+def test_release_memory_frees_the_kv_pool_as_nvml_sees_it(tmp_path):
+    # 4096 positions: the pool is 5% of the free memory (GBs), not what 256 rows of 64 need
+    model_dir = make_tiny_model(tmp_path / "long", hidden_size=256, intermediate_size=512, num_hidden_layers=8,
+                                num_key_value_heads=4, head_dim=64, max_position_embeddings=4096)
+    engine = RolloutEngine(RolloutSettings(model_path=str(model_dir), device="cuda", kv_cache_fraction=0.05))
+    greedy = Sampling(temperature=0, max_new_tokens=8, ignore_eos=True)
+    before, _ = engine.generate([[3, 4, 5]], greedy)
+    torch.cuda.synchronize()
+    pool = engine.core.cache.nbytes
+    held = _nvml_used_by_me()
+    engine.release_memory(["kv_cache"])
+    freed = held - _nvml_used_by_me()
+    print(f"KV pool {pool / 1e9:.2f} GB; NVML saw {freed / 1e9:.2f} GB freed")
+    assert pool > 1e9 and freed >= 0.95 * pool
+    with pytest.raises(Exception, match="released"):
+        engine.generate([[3, 4, 5]], greedy)
+    engine.resume_memory(["kv_cache"])
+    after, _ = engine.generate([[3, 4, 5]], greedy)
+    assert after[0].output_ids == before[0].output_ids
