@@ -43,10 +43,12 @@ def _add_rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_cols, str
 @triton.jit
 def _qk_rope_cache_kernel(q_ptr, k_ptr, v_ptr, qn_ptr, kn_ptr, table_ptr, pos_ptr, slot_ptr, kc_ptr, vc_ptr,
                           qo_ptr, stride_q, stride_k, stride_v, eps, NUM_HEADS: tl.constexpr,
-                          NUM_KV_HEADS: tl.constexpr, HALF: tl.constexpr, QK_NORM: tl.constexpr):
+                          NUM_KV_HEADS: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr,
+                          QK_NORM: tl.constexpr):
     token = tl.program_id(0)
     head = tl.program_id(1)  # q heads, then k heads, then v heads
-    d = tl.arange(0, HALF)
+    d = tl.arange(0, HALF_PAD)
+    dm = d < HALF
     head_dim = 2 * HALF
     slot = tl.load(slot_ptr + token).to(tl.int64)
     if head < NUM_HEADS + NUM_KV_HEADS:
@@ -55,21 +57,23 @@ def _qk_rope_cache_kernel(q_ptr, k_ptr, v_ptr, qn_ptr, kn_ptr, table_ptr, pos_pt
             base = q_ptr + token * stride_q + head * head_dim
         else:
             base = k_ptr + token * stride_k + (head - NUM_HEADS) * head_dim
-        x1 = tl.load(base + d)
-        x2 = tl.load(base + HALF + d)
+        x1 = tl.load(base + d, mask=dm, other=0.0)
+        x2 = tl.load(base + HALF + d, mask=dm, other=0.0)
         dtype = x1.dtype
         if QK_NORM:
             f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
             rstd = 1.0 / tl.sqrt((tl.sum(f1 * f1, axis=0) + tl.sum(f2 * f2, axis=0)) / head_dim + eps)
             if is_q:
-                w1, w2 = tl.load(qn_ptr + d).to(tl.float32), tl.load(qn_ptr + HALF + d).to(tl.float32)
+                w1 = tl.load(qn_ptr + d, mask=dm, other=0.0).to(tl.float32)
+                w2 = tl.load(qn_ptr + HALF + d, mask=dm, other=0.0).to(tl.float32)
             else:
-                w1, w2 = tl.load(kn_ptr + d).to(tl.float32), tl.load(kn_ptr + HALF + d).to(tl.float32)
+                w1 = tl.load(kn_ptr + d, mask=dm, other=0.0).to(tl.float32)
+                w2 = tl.load(kn_ptr + HALF + d, mask=dm, other=0.0).to(tl.float32)
             x1 = (w1 * (f1 * rstd).to(dtype).to(tl.float32)).to(dtype)
             x2 = (w2 * (f2 * rstd).to(dtype).to(tl.float32)).to(dtype)
         pos = tl.load(pos_ptr + token).to(tl.int64)
-        cos = tl.load(table_ptr + pos * head_dim + d).to(dtype).to(tl.float32)
-        sin = tl.load(table_ptr + pos * head_dim + HALF + d).to(dtype).to(tl.float32)
+        cos = tl.load(table_ptr + pos * head_dim + d, mask=dm, other=0.0).to(dtype).to(tl.float32)
+        sin = tl.load(table_ptr + pos * head_dim + HALF + d, mask=dm, other=0.0).to(dtype).to(tl.float32)
         f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
         # x * cos + rotate_half(x) * sin, rounded after each product and the sum as in bf16 torch
         o1 = ((f1 * cos).to(dtype).to(tl.float32) + (-f2 * sin).to(dtype).to(tl.float32)).to(dtype)
@@ -78,74 +82,96 @@ def _qk_rope_cache_kernel(q_ptr, k_ptr, v_ptr, qn_ptr, kn_ptr, table_ptr, pos_pt
             out = qo_ptr + (token * NUM_HEADS + head) * head_dim
         else:
             out = kc_ptr + (slot * NUM_KV_HEADS + head - NUM_HEADS) * head_dim
-        tl.store(out + d, o1)
-        tl.store(out + HALF + d, o2)
+        tl.store(out + d, o1, mask=dm)
+        tl.store(out + HALF + d, o2, mask=dm)
     else:
         kv_head = head - NUM_HEADS - NUM_KV_HEADS
         src = v_ptr + token * stride_v + kv_head * head_dim
         dst = vc_ptr + (slot * NUM_KV_HEADS + kv_head) * head_dim
-        tl.store(dst + d, tl.load(src + d))
-        tl.store(dst + HALF + d, tl.load(src + HALF + d))
+        tl.store(dst + d, tl.load(src + d, mask=dm), mask=dm)
+        tl.store(dst + HALF + d, tl.load(src + HALF + d, mask=dm), mask=dm)
 
 
 @triton.jit
-def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, len_ptr, acc_ptr, ml_ptr, stride_bt, scale,
-                         NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
-                         GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                         BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr):
+def _decode_attention_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, len_ptr, out_ptr, acc_ptr, ml_ptr, count_ptr, stride_bt,
+                             scale, NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
+                             GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
+                             BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                             IEEE: tl.constexpr):
+    """One (row, KV head, split): attention of the GROUP query heads over the split's share of
+    the row's cached tokens. With several splits each writes its partial result, and the last
+    to finish (an atomic count per row and KV head) merges them: one launch either way."""
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     g = tl.arange(0, GROUP_PAD)
-    d = tl.arange(0, HEAD_DIM)
+    d = tl.arange(0, DIM_PAD)
     n = tl.arange(0, BLOCK_N)
     heads = kv_head * GROUP + g
     head_ok = g < GROUP
-    q = tl.load(q_ptr + (row * NUM_HEADS + heads)[:, None] * HEAD_DIM + d[None, :], mask=head_ok[:, None], other=0.0)
+    dim_ok = d < HEAD_DIM
+    q = tl.load(q_ptr + (row * NUM_HEADS + heads)[:, None] * HEAD_DIM + d[None, :],
+                mask=head_ok[:, None] & dim_ok[None, :], other=0.0)
     seq_len = tl.load(len_ptr + row)
     chunk = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
     start = split * chunk
     end = tl.minimum(start + chunk, seq_len)
     m = tl.full((GROUP_PAD,), float("-inf"), tl.float32)
     l = tl.zeros((GROUP_PAD,), tl.float32)
-    acc = tl.zeros((GROUP_PAD, HEAD_DIM), tl.float32)
+    acc = tl.zeros((GROUP_PAD, DIM_PAD), tl.float32)
     for first in range(start, end, BLOCK_N):
         t = first + n
         ok = t < end
         block = tl.load(bt_ptr + row * stride_bt + t // BLOCK_SIZE, mask=ok, other=0).to(tl.int64)
         slot = block * BLOCK_SIZE + t % BLOCK_SIZE
         offs = (slot * NUM_KV_HEADS + kv_head)[:, None] * HEAD_DIM + d[None, :]
-        k = tl.load(kc_ptr + offs, mask=ok[:, None], other=0.0)
-        v = tl.load(vc_ptr + offs, mask=ok[:, None], other=0.0)
-        s = tl.dot(q, tl.trans(k)) * scale  # [GROUP_PAD, BLOCK_N]
+        kv_ok = ok[:, None] & dim_ok[None, :]
+        k = tl.load(kc_ptr + offs, mask=kv_ok, other=0.0)
+        v = tl.load(vc_ptr + offs, mask=kv_ok, other=0.0)
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # [GROUP_PAD, BLOCK_N]
+        else:
+            s = tl.dot(q, tl.trans(k)) * scale
         s = tl.where(ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))
         alpha = tl.exp(m - m_new)
         p = tl.exp(s - m_new[:, None])
         l = l * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m = m_new
-    part = (row * NUM_HEADS + heads) * NUM_SPLITS + split  # [GROUP_PAD]
-    tl.store(acc_ptr + part[:, None] * HEAD_DIM + d[None, :], acc, mask=head_ok[:, None])
-    tl.store(ml_ptr + part * 2, m, mask=head_ok)
-    tl.store(ml_ptr + part * 2 + 1, l, mask=head_ok)
-
-
-@triton.jit
-def _decode_merge_kernel(acc_ptr, ml_ptr, out_ptr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
-                         HEAD_DIM: tl.constexpr):
-    row_head = tl.program_id(0)  # row * NUM_HEADS + head
-    s = tl.arange(0, SPLITS_PAD)
-    d = tl.arange(0, HEAD_DIM)
-    ok = s < NUM_SPLITS
-    part = row_head * NUM_SPLITS + s
-    m = tl.load(ml_ptr + part * 2, mask=ok, other=float("-inf"))
-    l = tl.load(ml_ptr + part * 2 + 1, mask=ok, other=0.0)
-    top = tl.max(m, axis=0)
-    weight = tl.where(ok & (m > float("-inf")), tl.exp(m - top), 0.0)  # [SPLITS_PAD]
-    acc = tl.load(acc_ptr + part[:, None] * HEAD_DIM + d[None, :], mask=ok[:, None], other=0.0)
-    out = tl.sum(acc * weight[:, None], axis=0) / tl.sum(l * weight, axis=0)
-    tl.store(out_ptr + row_head * HEAD_DIM + d, out.to(out_ptr.dtype.element_ty))
+    out_offs = (row * NUM_HEADS + heads)[:, None] * HEAD_DIM + d[None, :]
+    out_ok = head_ok[:, None] & dim_ok[None, :]
+    if NUM_SPLITS == 1:
+        tl.store(out_ptr + out_offs, (acc / l[:, None]).to(out_ptr.dtype.element_ty), mask=out_ok)
+    else:
+        part = (row * NUM_HEADS + heads) * NUM_SPLITS + split  # [GROUP_PAD]
+        tl.store(acc_ptr + part[:, None] * DIM_PAD + d[None, :], acc, mask=head_ok[:, None])
+        tl.store(ml_ptr + part * 2, m, mask=head_ok)
+        tl.store(ml_ptr + part * 2 + 1, l, mask=head_ok)
+        tl.debug_barrier()  # every thread's partial is written before the count says so
+        counter = count_ptr + row * NUM_KV_HEADS + kv_head
+        if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == NUM_SPLITS - 1:
+            tl.debug_barrier()
+            top = tl.full((GROUP_PAD,), float("-inf"), tl.float32)
+            total = tl.zeros((GROUP_PAD,), tl.float32)
+            merged = tl.zeros((GROUP_PAD, DIM_PAD), tl.float32)
+            base = (row * NUM_HEADS + heads) * NUM_SPLITS
+            for other in tl.static_range(NUM_SPLITS):
+                m_s = tl.load(ml_ptr + (base + other) * 2, mask=head_ok, other=float("-inf"), cache_modifier=".cg")
+                l_s = tl.load(ml_ptr + (base + other) * 2 + 1, mask=head_ok, other=0.0, cache_modifier=".cg")
+                a_s = tl.load(acc_ptr + (base + other)[:, None] * DIM_PAD + d[None, :], mask=head_ok[:, None],
+                              other=0.0, cache_modifier=".cg")
+                new_top = tl.maximum(top, m_s)
+                keep = tl.where(new_top > float("-inf"), tl.exp(top - new_top), 0.0)
+                take = tl.where(m_s > float("-inf"), tl.exp(m_s - new_top), 0.0)
+                total = total * keep + l_s * take
+                merged = merged * keep[:, None] + a_s * take[:, None]
+                top = new_top
+            tl.store(out_ptr + out_offs, (merged / total[:, None]).to(out_ptr.dtype.element_ty), mask=out_ok)
+            tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")  # ready for the next launch
 
 
 @triton.jit
@@ -238,6 +264,40 @@ def _sample_merge_kernel(part_ptr, tok_part_ptr, logits_ptr, tok_ptr, lp_ptr, st
     tl.store(lp_ptr + row, chosen - lse)
 
 
+@triton.jit
+def _sample_record_kernel(part_ptr, tok_part_ptr, logits_ptr, stride_logits, start, tokens_ptr, positions_ptr,
+                          made_ptr, done_ptr, out_tok_ptr, out_lp_ptr, out_width, limit_ptr, is_stop_ptr,
+                          NUM_CHUNKS: tl.constexpr, CHUNKS_PAD: tl.constexpr):
+    """Merge a row's chunks into its token and logprob, and record them (as
+    `TorchOps.sample_and_record` does), all in one program per row."""
+    r = tl.program_id(0)
+    row = start + r
+    c = tl.arange(0, CHUNKS_PAD)
+    ok = c < NUM_CHUNKS
+    part = (r * NUM_CHUNKS + c) * 3
+    m = tl.load(part_ptr + part, mask=ok, other=float("-inf"))
+    total = tl.load(part_ptr + part + 1, mask=ok, other=0.0)
+    best = tl.load(part_ptr + part + 2, mask=ok, other=float("-inf"))
+    toks = tl.load(tok_part_ptr + r * NUM_CHUNKS + c, mask=ok, other=2147483647)
+    top = tl.max(m, axis=0)
+    lse = top + tl.log(tl.sum(tl.where(m > float("-inf"), total * tl.exp(m - top), 0.0), axis=0))
+    winner = tl.max(best, axis=0)
+    token = tl.min(tl.where(best == winner, toks, 2147483647), axis=0)  # chunks hold ascending ids
+    logprob = tl.load(logits_ptr + r * stride_logits + token).to(tl.float32) - lse
+    active = tl.load(done_ptr + row) == 0
+    if active:
+        made = tl.load(made_ptr + row)
+        at = tl.minimum(made, out_width - 1).to(tl.int64)
+        tl.store(out_tok_ptr + row * out_width + at, token.to(tl.int64))
+        tl.store(out_lp_ptr + row * out_width + at, logprob)
+        made += 1
+        stop = tl.load(is_stop_ptr + token) != 0
+        tl.store(made_ptr + row, made)
+        tl.store(done_ptr + row, (stop | (made >= tl.load(limit_ptr))).to(tl.int1))
+        tl.store(tokens_ptr + row, token.to(tl.int64))
+        tl.store(positions_ptr + row, tl.load(positions_ptr + row) + 1)
+
+
 class TritonOps(TorchOps):
     """The GPU ops: each a Triton kernel with the reference's signature (prefill attention and
     top-k / top-p filtering stay on torch: flash attention and sorting are already kernels)."""
@@ -263,24 +323,46 @@ class TritonOps(TorchOps):
         _qk_rope_cache_kernel[(tokens, num_heads + 2 * num_kv_heads)](
             q, k, v, q_norm if norm else q, k_norm if norm else q, table, positions, slots, k_cache, v_cache, q_out,
             q.stride(0), k.stride(0), v.stride(0), eps, NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads,
-            HALF=head_dim // 2, QK_NORM=norm, num_warps=1)
+            HALF=head_dim // 2, HALF_PAD=triton.next_power_of_2(head_dim // 2), QK_NORM=norm, num_warps=1)
         return q_out
+
+    def __init__(self):
+        self._counters: dict[tuple, torch.Tensor] = {}
 
     def decode_attention(self, q, k_cache, v_cache, block_tables, seq_lens, block_size, num_splits):
         batch, num_heads, head_dim = q.shape
         num_kv_heads = k_cache.shape[1]
         group = num_heads // num_kv_heads
-        acc = torch.empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
+        dim_pad = max(16, triton.next_power_of_2(head_dim))  # tl.dot needs 16 at least
+        acc = torch.empty(batch, num_heads, num_splits, dim_pad, dtype=torch.float32, device=q.device)
         ml = torch.empty(batch, num_heads, num_splits, 2, dtype=torch.float32, device=q.device)
-        _decode_split_kernel[(batch, num_kv_heads, num_splits)](
-            q, k_cache, v_cache, block_tables, seq_lens, acc, ml, block_tables.stride(0), head_dim**-0.5,
-            NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
-            HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_N=32, NUM_SPLITS=num_splits, num_warps=4, num_stages=2)
         out = torch.empty(batch, num_heads * head_dim, dtype=q.dtype, device=q.device)
-        _decode_merge_kernel[(batch * num_heads,)](acc, ml, out, NUM_SPLITS=num_splits,
-                                                   SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)),
-                                                   HEAD_DIM=head_dim, num_warps=1)
+        _decode_attention_kernel[(batch, num_kv_heads, num_splits)](
+            q, k_cache, v_cache, block_tables, seq_lens, out, acc, ml, self._counter(q.device, batch * num_kv_heads),
+            block_tables.stride(0), head_dim**-0.5, NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=group,
+            GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, DIM_PAD=dim_pad, BLOCK_SIZE=block_size,
+            BLOCK_N=32, NUM_SPLITS=num_splits, IEEE=q.dtype == torch.float32, num_warps=4, num_stages=2)
         return out
+
+    def _counter(self, device: torch.device, size: int) -> torch.Tensor:
+        """Zeroed split counters that outlive every launch (each launch leaves them at zero again).
+        Made at the first, eager, call of a size, never while a graph is being captured."""
+        key = (device, size)
+        if key not in self._counters:
+            if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError("decode_attention: run it once before capturing a graph of it")
+            self._counters[key] = torch.zeros(max(size, 1), dtype=torch.int32, device=device)
+        return self._counters[key]
+
+    def sample_and_record(self, logits, scores, greedy, rows, start):
+        batch = logits.shape[0]
+        part, tok_part, chunks = self._sample_chunks(logits, rows.keys[start : start + batch],
+                                                     rows.num_made[start : start + batch], rows.inv_temperature,
+                                                     greedy, scores)
+        _sample_record_kernel[(batch,)](part, tok_part, logits, logits.stride(0), start, rows.tokens, rows.positions,
+                                        rows.num_made, rows.done, rows.out_tokens, rows.out_logprobs,
+                                        rows.out_tokens.shape[1], rows.limit, rows.is_stop, NUM_CHUNKS=chunks,
+                                        CHUNKS_PAD=max(2, triton.next_power_of_2(chunks)), num_warps=1)
 
     def silu_mul(self, gate, up):
         rows, cols = gate.shape
@@ -291,6 +373,16 @@ class TritonOps(TorchOps):
         return out
 
     def sample(self, logits, keys, steps, inv_temperature, greedy, scores=None):
+        batch = logits.shape[0]
+        part, tok_part, chunks = self._sample_chunks(logits, keys, steps, inv_temperature, greedy, scores)
+        tokens = torch.empty(batch, dtype=torch.int64, device=logits.device)
+        logprobs = torch.empty(batch, dtype=torch.float32, device=logits.device)
+        _sample_merge_kernel[(batch,)](part, tok_part, logits, tokens, logprobs, logits.stride(0), NUM_CHUNKS=chunks,
+                                       CHUNKS_PAD=max(2, triton.next_power_of_2(chunks)), num_warps=1)
+        return tokens, logprobs
+
+    def _sample_chunks(self, logits, keys, steps, inv_temperature, greedy, scores):
+        """Per (row, vocabulary chunk): max and exp-sum of the logits, best noised score and token."""
         batch, vocab = logits.shape
         device = logits.device
         block = 1024
@@ -304,11 +396,7 @@ class TritonOps(TorchOps):
         _sample_chunk_kernel[(batch, chunks)](logits, use, keys, steps, inv_temperature, part, tok_part, vocab, chunk,
                                               logits.stride(0), use.stride(0), NUM_CHUNKS=chunks, GREEDY=greedy,
                                               SCALE_SCORES=scores is None, BLOCK_V=block, num_warps=4)
-        tokens = torch.empty(batch, dtype=torch.int64, device=device)
-        logprobs = torch.empty(batch, dtype=torch.float32, device=device)
-        _sample_merge_kernel[(batch,)](part, tok_part, logits, tokens, logprobs, logits.stride(0), NUM_CHUNKS=chunks,
-                                       CHUNKS_PAD=max(2, triton.next_power_of_2(chunks)), num_warps=1)
-        return tokens, logprobs
+        return part, tok_part, chunks
 
 
 

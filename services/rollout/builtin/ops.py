@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from services.rollout.builtin import sampling
+from services.rollout.builtin.state import RowState
 
 
 def rope_table(head_dim: int, theta: float, max_positions: int, device: torch.device) -> torch.Tensor:
@@ -89,6 +90,26 @@ class TorchOps:
     def sample(self, logits: torch.Tensor, keys: torch.Tensor, steps: torch.Tensor, inv_temperature: torch.Tensor,
                greedy: bool, scores: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         return sampling.sample(logits, keys, steps, inv_temperature, greedy, scores)
+
+    def sample_and_record(self, logits: torch.Tensor, scores: torch.Tensor | None, greedy: bool, rows: RowState,
+                          start: int) -> None:
+        """Sample a token for rows start..start+b from logits [b, V] and record it: the token and
+        its logprob into the outputs, one more made, done on a stop token or the length limit,
+        the token as the next input one position on. Done rows do not change."""
+        count = logits.shape[0]
+        slot = slice(start, start + count)
+        made = rows.num_made[slot]
+        tokens, logprobs = self.sample(logits, rows.keys[slot], made, rows.inv_temperature, greedy, scores)
+        active = ~rows.done[slot]
+        index = torch.arange(start, start + count, device=logits.device)
+        at = made.clamp(max=rows.out_tokens.shape[1] - 1).long()
+        rows.out_tokens[index, at] = torch.where(active, tokens, rows.out_tokens[index, at])
+        rows.out_logprobs[index, at] = torch.where(active, logprobs, rows.out_logprobs[index, at])
+        made = made + active.int()
+        rows.done[slot] |= active & (rows.is_stop[tokens] | (made >= rows.limit))
+        rows.num_made[slot] = made
+        rows.tokens[slot] = torch.where(active, tokens, rows.tokens[slot])
+        rows.positions[slot] += active.int()
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -25,6 +25,7 @@ import torch
 from services.rollout.builtin import sampling
 from services.rollout.builtin.forward import PagedDecoder
 from services.rollout.builtin.kv_cache import TRASH_BLOCK, PagedKVCache
+from services.rollout.builtin.state import RowState
 
 log = logging.getLogger("rlfleet.rollout")
 
@@ -58,6 +59,7 @@ class ModelRunner:
         self.capacity, self.max_new_tokens, self.max_blocks = capacity, max_new_tokens, max_blocks_per_row
         self.use_graphs = use_graphs and self.device.type == "cuda"
         self.vocab_size = decoder.config.vocab_size
+        self.rows: RowState
         self._graphs: dict[tuple[int, StepMode], torch.cuda.CUDAGraph] = {}
         self._pool = None
         self._num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count \
@@ -65,39 +67,23 @@ class ModelRunner:
         self._alloc_state()
 
     def _alloc_state(self) -> None:
-        B, N, dev = self.capacity, self.max_new_tokens, self.device
-        self.tokens = torch.zeros(B, dtype=torch.int64, device=dev)
-        self.positions = torch.zeros(B, dtype=torch.int32, device=dev)
-        self.block_tables = torch.full((B, self.max_blocks), TRASH_BLOCK, dtype=torch.int32, device=dev)
-        self.num_made = torch.zeros(B, dtype=torch.int32, device=dev)
-        self.done = torch.ones(B, dtype=torch.bool, device=dev)
-        self.keys = torch.zeros(B, dtype=torch.int64, device=dev)
-        self.out_tokens = torch.zeros(B, N, dtype=torch.int64, device=dev)
-        self.out_logprobs = torch.zeros(B, N, dtype=torch.float32, device=dev)
-        self.limit = torch.full((1,), N, dtype=torch.int32, device=dev)  # max_new_tokens of this call
-        self.inv_temperature = torch.ones(1, dtype=torch.float32, device=dev)
-        self.top_p = torch.ones(1, dtype=torch.float32, device=dev)
-        self.is_stop = torch.zeros(self.vocab_size, dtype=torch.bool, device=dev)
-        self._rows = torch.arange(B, device=dev)
-
-    def _state(self) -> list[torch.Tensor]:
-        return [self.tokens, self.positions, self.block_tables, self.num_made, self.done, self.keys,
-                self.out_tokens, self.out_logprobs]
+        self.rows = RowState.allocate(self.capacity, self.max_new_tokens, self.max_blocks, self.vocab_size, self.device)
 
     # ---- per call --------------------------------------------------------------------------
 
     def begin(self, *, temperature: float, top_p: float, max_new_tokens: int, stop_ids: set[int]) -> None:
         """Set this call's sampling settings (device scalars the graphs read)."""
         assert max_new_tokens <= self.max_new_tokens
-        self.limit.fill_(max_new_tokens)
-        self.inv_temperature.fill_(1.0 / temperature if temperature > 0 else 1.0)
-        self.top_p.fill_(top_p)
-        self.is_stop.zero_()
+        r = self.rows
+        r.limit.fill_(max_new_tokens)
+        r.inv_temperature.fill_(1.0 / temperature if temperature > 0 else 1.0)
+        r.top_p.fill_(top_p)
+        r.is_stop.zero_()
         if stop_ids:
-            self.is_stop[torch.tensor(sorted(stop_ids), device=self.device)] = True
-        self.done.fill_(True)
-        self.block_tables.fill_(TRASH_BLOCK)
-        self.positions.zero_()
+            r.is_stop[torch.tensor(sorted(stop_ids), device=self.device)] = True
+        r.done.fill_(True)
+        r.block_tables.fill_(TRASH_BLOCK)
+        r.positions.zero_()
 
     def prefill(self, prompts: list[list[int]], blocks: list[list[int]], rows: list[NewRow], first_slot: int,
                 mode: StepMode) -> None:
@@ -120,14 +106,15 @@ class ModelRunner:
         table = torch.full((count, self.max_blocks), TRASH_BLOCK, dtype=torch.int32)
         for r, row in enumerate(rows):
             table[r, : len(row.block_table)] = torch.tensor(row.block_table, dtype=torch.int32)
-        self.block_tables[slot] = table.to(self.device)
-        self.keys[slot] = torch.tensor([row.key for row in rows], device=self.device)
-        self.num_made[slot] = 0
-        self.done[slot] = False
-        # The first sampled token sits at position prompt_len; `_record` advances to it.
-        self.positions[slot] = torch.tensor([row.prompt_len - 1 for row in rows], dtype=torch.int32, device=self.device)
+        state = self.rows
+        state.block_tables[slot] = table.to(self.device)
+        state.keys[slot] = torch.tensor([row.key for row in rows], device=self.device)
+        state.num_made[slot] = 0
+        state.done[slot] = False
+        # The first sampled token sits at position prompt_len; recording it advances there.
+        state.positions[slot] = torch.tensor([row.prompt_len - 1 for row in rows], dtype=torch.int32, device=self.device)
         row_logits = logits[torch.tensor([row.logits_index for row in rows], device=self.device)]  # [count, V]
-        self._record(row_logits, slot, mode)
+        self._record(row_logits, first_slot, mode)
 
     def decode(self, num_rows: int, num_steps: int, mode: StepMode) -> None:
         """`num_steps` decode steps of slots [0, num_rows) (rows that finish stop changing)."""
@@ -146,9 +133,10 @@ class ModelRunner:
         return next((b for b in _BUCKETS if b >= num_rows), self.capacity) if num_rows <= self.capacity else num_rows
 
     def _step(self, batch: int, mode: StepMode) -> None:
-        logits = self.decoder.decode(self.tokens[:batch], self.positions[:batch], self.block_tables[:batch],
+        r = self.rows
+        logits = self.decoder.decode(r.tokens[:batch], r.positions[:batch], r.block_tables[:batch],
                                      self.num_splits(batch))
-        self._record(logits, slice(0, batch), mode)
+        self._record(logits, 0, mode)
 
     def num_splits(self, batch: int) -> int:
         """Enough (row, KV head, split) programs to fill the GPU at every batch size."""
@@ -157,58 +145,47 @@ class ModelRunner:
         programs = batch * self.decoder.config.num_key_value_heads
         return max(1, min(16, -(-2 * self._num_sms // programs)))
 
-    def _record(self, logits: torch.Tensor, slot: slice, mode: StepMode) -> None:
-        """Sample from logits [b, V] for the rows in `slot`, record the tokens, advance the rows."""
-        ops = self.decoder.ops
+    def _record(self, logits: torch.Tensor, start: int, mode: StepMode) -> None:
+        """Sample from logits [b, V] for slots start.., record the tokens, advance the rows."""
         scores = None
         if not mode.greedy and (mode.top_k > 0 or mode.top_p):
-            scores = sampling.filter_scores(logits, self.inv_temperature, mode.top_k, self.top_p if mode.top_p else None)
-        made = self.num_made[slot]
-        tokens, logprobs = ops.sample(logits, self.keys[slot], made, self.inv_temperature, mode.greedy, scores)
-        active = ~self.done[slot]
-        rows = self._rows[slot]
-        at = made.clamp(max=self.max_new_tokens - 1).long()
-        self.out_tokens[rows, at] = torch.where(active, tokens, self.out_tokens[rows, at])
-        self.out_logprobs[rows, at] = torch.where(active, logprobs, self.out_logprobs[rows, at])
-        made = made + active.int()
-        self.done[slot] |= active & (self.is_stop[tokens] | (made >= self.limit))
-        self.num_made[slot] = made
-        self.tokens[slot] = torch.where(active, tokens, self.tokens[slot])
-        self.positions[slot] += active.int()
+            scores = sampling.filter_scores(logits, self.rows.inv_temperature, mode.top_k,
+                                            self.rows.top_p if mode.top_p else None)
+        self.decoder.ops.sample_and_record(logits, scores, mode.greedy, self.rows, start)
 
     # ---- host checks -----------------------------------------------------------------------
 
     def read(self, num_rows: int) -> tuple[list[bool], list[int]]:
         """done and num_made of slots [0, num_rows): the one host sync of a check."""
-        both = torch.stack((self.done[:num_rows].int(), self.num_made[:num_rows])).cpu()
+        r = self.rows
+        both = torch.stack((r.done[:num_rows].int(), r.num_made[:num_rows])).cpu()
         return [bool(d) for d in both[0].tolist()], both[1].tolist()
 
     def outputs(self, slots: list[int], lengths: list[int]) -> list[tuple[list[int], list[float]]]:
         index = torch.tensor(slots, device=self.device)
         width = max(lengths)
-        tokens = self.out_tokens[index, :width].tolist()
-        logprobs = self.out_logprobs[index, :width].tolist()
+        tokens = self.rows.out_tokens[index, :width].tolist()
+        logprobs = self.rows.out_logprobs[index, :width].tolist()
         return [(t[:n], lp[:n]) for t, lp, n in zip(tokens, logprobs, lengths)]
 
     def tokens_so_far(self, num_rows: int, width: int) -> list[list[int]]:
-        return self.out_tokens[:num_rows, :width].tolist()
+        return self.rows.out_tokens[:num_rows, :width].tolist()
 
     def finish(self, slots: list[int]) -> None:
         """Mark rows done from the host (a stop string was found)."""
-        self.done[torch.tensor(slots, device=self.device)] = True
+        self.rows.done[torch.tensor(slots, device=self.device)] = True
 
     def keep(self, slots: list[int]) -> None:
         """Move rows `slots` (in this order) to slots [0, len(slots)); the rest become padding."""
         count = len(slots)
-        if slots == list(range(count)):
-            pass
-        else:
+        r = self.rows
+        if slots != list(range(count)):
             index = torch.tensor(slots, device=self.device)
-            for t in self._state():
+            for t in r.per_row():
                 t[:count] = t[index]
-        self.done[count:] = True
-        self.block_tables[count:] = TRASH_BLOCK
-        self.positions[count:] = 0
+        r.done[count:] = True
+        r.block_tables[count:] = TRASH_BLOCK
+        r.positions[count:] = 0
 
     # ---- graphs ----------------------------------------------------------------------------
 
@@ -223,13 +200,13 @@ class ModelRunner:
     def _capture(self, batch: int, mode: StepMode) -> torch.cuda.CUDAGraph:
         """Warm the step up once (Triton compiles, cuBLAS picks kernels), put the rows' state
         back as it was, and capture the step into the shared graph memory pool."""
-        saved = [t.clone() for t in self._state()]
+        saved = [t.clone() for t in self.rows.all()]
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             self._step(batch, mode)
         torch.cuda.current_stream(self.device).wait_stream(stream)
-        for t, s in zip(self._state(), saved):
+        for t, s in zip(self.rows.all(), saved):
             t.copy_(s)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
