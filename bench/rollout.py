@@ -215,7 +215,8 @@ def rl_run(shape: str, device: str, args) -> list[dict]:
     line = {"bench": "rollout", "kind": "rl", "shape": shape, "engine": "paged", "prompts": len(prompts), "n": 8,
             "rows": len(results), "tokens": tokens, "seconds": round(seconds, 3), "tokens_per_s": round(tokens / seconds, 1),
             "mean_len": round(tokens / len(results), 1), "truncated": sum(len(r.output_ids) == 1024 for r in results),
-            "decode_steps": stats.decode_steps, "prefills": stats.prefills}
+            "decode_steps": stats.decode_steps, "prefills": stats.prefills, "prefill_s": round(stats.prefill_s, 3),
+            "decode_s": round(stats.decode_s, 3), "host_s": round(stats.host_s, 3)}
     emit(_stamp(line), args.out)
     out = [line]
     if args.old_prompts:

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from services.models.decoder import DecoderLM
 from services.rollout.builtin.kv_cache import PagedKVCache
-from services.rollout.builtin.ops import rope_table
+from services.rollout.builtin.ops import TorchOps, rope_table
 
 
 @dataclass
@@ -57,6 +57,9 @@ def _side_by_side(params: list[torch.Tensor]) -> torch.Tensor:
 class PagedDecoder:
     def __init__(self, model: DecoderLM, cache: PagedKVCache, ops, fused: list[_Fused] | None = None):
         self.model, self.cache, self.ops, self.fused = model, cache, ops, fused
+        # Prefill runs eagerly, never captured: torch's ops launch in a few microseconds where a
+        # Triton launch from Python costs tens (an eager step of the 0.5B shape took 18 ms).
+        self.prefill_ops = TorchOps()
         cfg = model.config
         self.config = cfg
         self.eps = cfg.rms_norm_eps
@@ -77,7 +80,7 @@ class PagedDecoder:
             k_cache, v_cache = self.cache.layer(layer_index)
             return self.ops.decode_attention(q, k_cache, v_cache, block_tables, seq_lens, bs, num_splits)
 
-        hidden = self._layers(tokens, positions, slots, attend)  # [b, hidden]
+        hidden = self._layers(tokens, positions, slots, attend, self.ops)  # [b, hidden]
         return F.linear(hidden, self.model.output_weight)
 
     def prefill(self, tokens: torch.Tensor, lengths: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
@@ -93,15 +96,15 @@ class PagedDecoder:
             flat = slots.reshape(-1).long()
             k = k_cache[flat].view(groups, length, -1, self.config.head_dim)
             v = v_cache[flat].view(groups, length, -1, self.config.head_dim)
-            out = self.ops.prefill_attention(q.view(groups, length, -1, self.config.head_dim), k, v)
+            out = self.prefill_ops.prefill_attention(q.view(groups, length, -1, self.config.head_dim), k, v)
             return out.reshape(groups * length, -1)
 
-        hidden = self._layers(tokens.reshape(-1), positions, slots.reshape(-1), attend)  # [G*P, hidden]
+        hidden = self._layers(tokens.reshape(-1), positions, slots.reshape(-1), attend, self.prefill_ops)  # [G*P, hidden]
         last = hidden.view(groups, length, -1)[torch.arange(groups, device=tokens.device), lengths - 1]
         return F.linear(last, self.model.output_weight)
 
-    def _layers(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, attend) -> torch.Tensor:
-        ops, eps = self.ops, self.eps
+    def _layers(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, attend, ops) -> torch.Tensor:
+        eps = self.eps
         x = F.embedding(tokens, self.model.model.embed_tokens.weight)  # [T, hidden]
         residual = None
         for index, layer in enumerate(self.model.model.layers):

@@ -3,7 +3,8 @@
 The scheduler owns the host's view of the batch: the rows in their slots, the prompts still
 waiting, and every row's blocks. Each round it admits waiting prompts into free slots while
 their blocks fit (one prefill for a prompt's `n` samples, which share the blocks the prompt
-fills), lets the runner decode a few steps with no host sync, then reads which rows are done,
+fills; prompts are admitted once a quarter of the slots is free, so prefills come in batches),
+lets the runner decode a few steps with no host sync, then reads which rows are done,
 looks for stop strings, hands finished rows back as `Generation`s, frees their blocks and packs
 the rest to the front. So a long-tail row never keeps a slot from a waiting prompt for longer
 than one round.
@@ -14,6 +15,7 @@ mid-way, so nothing is ever preempted or recomputed.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass
 from typing import Callable
@@ -55,6 +57,9 @@ class CallStats:
     decode_steps: int
     prefills: int
     max_rows: int
+    prefill_s: float = 0.0  # admitting and prefilling (host and GPU)
+    decode_s: float = 0.0  # decode steps, up to the host seeing their results
+    host_s: float = 0.0  # the rest: stop strings, retiring rows, packing
 
 
 class Scheduler:
@@ -77,11 +82,15 @@ class Scheduler:
         results: list[Generation | None] = [None] * (len(prompts_ids) * n)
         made = []  # tokens made per row, as of the last check
         rounds = steps = prefills = max_rows = 0
+        prefill_s = decode_s = host_s = 0.0
         try:
             while waiting or rows:
                 if cancelled is not None and cancelled():
                     raise GenerationCancelled("generate: the caller cancelled")
+                started = time.perf_counter()
                 admitted = self._admit(waiting, rows, seed, sampling_.max_new_tokens, mode)
+                admitted_at = time.perf_counter()
+                prefill_s += admitted_at - started
                 prefills += admitted
                 made += [1] * (len(rows) - len(made))
                 max_rows = max(max_rows, len(rows))
@@ -91,6 +100,8 @@ class Scheduler:
                     self.runner.decode(len(rows), todo, mode)
                     steps += todo
                 done, made = self.runner.read(len(rows))
+                read_at = time.perf_counter()
+                decode_s += read_at - admitted_at
                 stopped = self._stop_strings(rows, made, done, sampling_.stop) if sampling_.stop else {}
                 finished = [k for k in range(len(rows)) if done[k] or k in stopped]
                 if finished:
@@ -100,16 +111,20 @@ class Scheduler:
                     rows = [rows[k] for k in keep]
                     made = [made[k] for k in keep]
                 rounds += 1
+                host_s += time.perf_counter() - read_at
         finally:
             for row in rows:  # an error or a cancel mid-call: give every block back
                 self.cache.allocator.free(row.blocks)
-        self.last_stats = CallStats(rounds, steps, prefills, max_rows)
+        self.last_stats = CallStats(rounds, steps, prefills, max_rows, prefill_s, decode_s, host_s)
         return results  # type: ignore[return-value]
 
     def _admit(self, waiting: deque, rows: list[_Row], seed: int, max_new: int, mode: StepMode) -> int:
         """Prefill as many waiting prompts as slots, blocks and the prefill budget allow."""
         bs = self.cache.shape.block_size
         allocator = self.cache.allocator
+        free = self.runner.capacity - len(rows)
+        if rows and waiting and free < min(self.runner.capacity // 4, sum(len(w.samples) for w in waiting)):
+            return 0  # a prefill costs a forward however few rows it starts: wait for a quarter of the slots
         prompts, tables, new_rows, new = [], [], [], []
         copies_src, copies_dst = [], []
         tokens = 0
