@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from services.models.decoder import DecoderLM
 from services.rollout.builtin.kv_cache import PagedKVCache
-from services.rollout.builtin.ops import TorchOps, rope_table
+from services.rollout.builtin.ops import rope_table
 
 
 @dataclass
@@ -57,9 +57,6 @@ def _side_by_side(params: list[torch.Tensor]) -> torch.Tensor:
 class PagedDecoder:
     def __init__(self, model: DecoderLM, cache: PagedKVCache, ops, fused: list[_Fused] | None = None):
         self.model, self.cache, self.ops, self.fused = model, cache, ops, fused
-        # Prefill runs eagerly, never captured: torch's ops launch in a few microseconds where a
-        # Triton launch from Python costs tens (an eager step of the 0.5B shape took 18 ms).
-        self.prefill_ops = TorchOps()
         cfg = model.config
         self.config = cfg
         self.eps = cfg.rms_norm_eps
@@ -96,10 +93,10 @@ class PagedDecoder:
             flat = slots.reshape(-1).long()
             k = k_cache[flat].view(groups, length, -1, self.config.head_dim)
             v = v_cache[flat].view(groups, length, -1, self.config.head_dim)
-            out = self.prefill_ops.prefill_attention(q.view(groups, length, -1, self.config.head_dim), k, v)
+            out = self.ops.prefill_attention(q.view(groups, length, -1, self.config.head_dim), k, v)
             return out.reshape(groups * length, -1)
 
-        hidden = self._layers(tokens.reshape(-1), positions, slots.reshape(-1), attend, self.prefill_ops)  # [G*P, hidden]
+        hidden = self._layers(tokens.reshape(-1), positions, slots.reshape(-1), attend, self.ops)  # [G*P, hidden]
         last = hidden.view(groups, length, -1)[torch.arange(groups, device=tokens.device), lengths - 1]
         return F.linear(last, self.model.output_weight)
 

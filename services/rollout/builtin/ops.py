@@ -80,6 +80,9 @@ class TorchOps:
         """Causal attention of right-padded prompts: q [G, P, H, D], k, v [G, P, Hkv, D] -> [G, P, H*D].
         Padding sits after every real token, so plain causal attention is exact for real tokens."""
         groups, length, num_heads, head_dim = q.shape
+        if q.device.type == "cuda" and num_heads != k.shape[2]:  # whole heads, so the flash kernel takes them
+            k = k.repeat_interleave(num_heads // k.shape[2], dim=2)
+            v = v.repeat_interleave(num_heads // v.shape[2], dim=2)
         out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
                                              enable_gqa=num_heads != k.shape[2])  # [G, H, P, D]
         return out.transpose(1, 2).reshape(groups, length, num_heads * head_dim)
