@@ -7,6 +7,7 @@ has P tokens sits at position P - 1 + k.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -45,7 +46,9 @@ class PackedBatch:
         return [(int(length) - n - 1, n) for length, n in zip(lengths, self.num_response_tokens)]
 
 
-def _check_lengths(index: int, sample: Sample) -> None:
+def _check_sample(index: int, sample: Sample) -> None:
+    """Lengths agree and every number is finite: one NaN advantage would make every weight NaN,
+    and the next sync would ship them to the engines."""
     n = len(sample.response_ids)
     if not sample.prompt_ids:
         raise ValueError(f"batch.samples[{index}].prompt_ids: empty")
@@ -57,13 +60,18 @@ def _check_lengths(index: int, sample: Sample) -> None:
             raise ValueError(
                 f"batch.samples[{index}].{name}: has {len(values)} values for {n} response tokens"
             )
+        bad = next((k for k, v in enumerate(values) if not math.isfinite(v)), None)
+        if bad is not None:
+            raise ValueError(f"batch.samples[{index}].{name}[{bad}]: {values[bad]} is not a finite number")
+    if any(v < 0 for v in sample.loss_mask):
+        raise ValueError(f"batch.samples[{index}].loss_mask: weights must be >= 0")
 
 
 def pack(samples: list[Sample], *, pad_id: int, vocab_size: int, device: torch.device | str) -> PackedBatch:
     if not samples:
         raise ValueError("batch.samples: empty batch")
     for i, s in enumerate(samples):
-        _check_lengths(i, s)
+        _check_sample(i, s)
         bad = [t for t in (*s.prompt_ids, *s.response_ids) if not 0 <= t < vocab_size]
         if bad:
             raise ValueError(f"batch.samples[{i}]: token id {bad[0]} outside the vocabulary [0, {vocab_size})")

@@ -188,7 +188,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
             result = trainer.train_step(
                 samples_from_proto(request.batch),
                 sft=request.loss == trainer_pb2.LOSS_KIND_SFT,
-                lr=request.lr if request.lr > 0 else None,
+                lr=request.lr if request.lr != 0 else None,  # 0: unset; NaN, inf and < 0 are refused
             )
             return trainer_pb2.TrainStepResponse(
                 metrics=result.metrics, weights_version=result.weights_version, step=result.step

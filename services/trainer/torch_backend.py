@@ -8,6 +8,7 @@ scheduler is ever built, so schedule settings that only make sense while trainin
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from dataclasses import dataclass
@@ -25,6 +26,8 @@ from services.weights.apply import named_weights
 from services.models import memory
 from services.weights.buckets import parse_dtype, plan_buckets
 from services.weights.fingerprint import fingerprint
+
+log = logging.getLogger("rlfleet.trainer")
 
 
 class TrainerStateError(RuntimeError):
@@ -300,6 +303,8 @@ class TorchTrainer:
         step only and the schedule does not advance (warm-up stages such as SFT before RL)."""
         if self.optimizer is None:
             raise TrainerStateError("TrainStep: this trainer was configured eval_only and has no optimizer")
+        if lr is not None and not (math.isfinite(lr) and lr >= 0):
+            raise ValueError(f"lr: must be a finite number >= 0, got {lr}")
         started = time.perf_counter()
         loss_cfg = self.settings.loss
         if not sft and loss_cfg.kl_coef > 0 and not all(s.ref_logprobs for s in samples):
@@ -334,6 +339,16 @@ class TorchTrainer:
         sums["grad_norm"] = float(grad_norm)
         if was_asleep:
             sums["wake_s"] = woke_s
+        if not math.isfinite(sums["grad_norm"]):
+            # A non-finite gradient would make every weight NaN: skip the step, keep the weights.
+            self.optimizer.zero_grad(set_to_none=True)
+            for p in self.params:
+                p.grad = None
+            sums["step_skipped"] = 1.0
+            sums["train_step_s"] = time.perf_counter() - started
+            log.warning("step skipped: the gradient norm is %s; weights stay at version %d", sums["grad_norm"],
+                        self.weights_version)
+            return StepResult(sums, self.weights_version, self.step)
         scheduled = [group["lr"] for group in self.optimizer.param_groups]
         if lr is not None:
             for group in self.optimizer.param_groups:

@@ -114,3 +114,35 @@ def test_an_lr_override_applies_to_one_step_and_leaves_the_schedule_alone(tiny_m
     assert trainer.train_step(_samples(0.0), sft=True, lr=0.5).metrics["lr"] == 0.5
     assert trainer.train_step(_samples(1.0)).metrics["lr"] == pytest.approx(1e-2)  # schedule still at step 0
     assert trainer.train_step(_samples(1.0)).metrics["lr"] == pytest.approx(0.9e-2)
+
+
+@pytest.mark.parametrize("field, value", [("advantages", float("nan")), ("advantages", float("inf")),
+                                          ("loss_mask", float("nan")), ("old_logprobs", float("-inf")),
+                                          ("ref_logprobs", float("nan")), ("loss_mask", -1.0)])
+def test_non_finite_inputs_are_refused_by_name_and_change_nothing(tiny_model_dir, field, value):
+    trainer = TorchTrainer(_settings(tiny_model_dir))
+    before = [p.detach().clone() for p in trainer.params]
+    good = _samples(1.0)
+    poisoned = [dataclasses.replace(good[0], **{field: [0.5, value, 0.5]}), good[1]]
+    with pytest.raises(ValueError, match=rf"batch.samples\[0\].{field}"):
+        trainer.train_step(poisoned)
+    assert all(torch.equal(a, b) for a, b in zip(before, trainer.params)) and trainer.weights_version == 0
+
+
+@pytest.mark.parametrize("lr", [float("inf"), float("nan"), -1e-3])
+def test_a_non_finite_or_negative_learning_rate_is_refused(tiny_model_dir, lr):
+    trainer = TorchTrainer(_settings(tiny_model_dir))
+    with pytest.raises(ValueError, match="lr: must be a finite number"):
+        trainer.train_step(_samples(1.0), lr=lr)
+    assert trainer.weights_version == 0
+
+
+def test_a_step_whose_gradient_is_not_finite_is_skipped_and_keeps_the_weights(tiny_model_dir):
+    trainer = TorchTrainer(_settings(tiny_model_dir))
+    before = [p.detach().clone() for p in trainer.params]
+    huge = _samples(3e38)  # finite advantages whose gradient overflows float32
+    result = trainer.train_step(huge)
+    assert result.metrics["step_skipped"] == 1.0 and not torch.isfinite(torch.tensor(result.metrics["grad_norm"]))
+    assert all(torch.equal(a, b) for a, b in zip(before, trainer.params))
+    assert result.weights_version == 0  # nothing new to sync
+    assert trainer.train_step(_samples(1.0)).weights_version == 1  # and the trainer trains on
