@@ -45,11 +45,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print("rlfleet: --job FILE [--exit-on-finish] is for `serve coordinator`", file=sys.stderr)
         return EXIT_CONFIG
     token = _read_token(args.token_file)
+    if not token and not rpc.is_loopback(args.host):
+        print(f"rlfleet: refusing to listen on {args.host} without authentication: give --token-file "
+              "(or RLFLEET_TOKEN), or bind to 127.0.0.1", file=sys.stderr)
+        return EXIT_CONFIG
     discovery = None  # the coordinator's, closed on the way out
     if args.role == "trainer":
         from services.trainer.server import build_server
 
-        server = build_server(address, token)
+        server = build_server(address, token, checkpoint_root=args.checkpoint_root)
     elif args.role == "rollout":
         from services.rollout.server import build_server
 
@@ -192,6 +196,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--ready-file", help="write {port, pid} here once serving")
     serve.add_argument("--grace", type=float, default=5.0, help="seconds in-flight calls get on SIGTERM")
     serve.add_argument("--log-level", default="INFO")
+    serve.add_argument("--checkpoint-root", default=os.environ.get("RLFLEET_CHECKPOINT_ROOT", "."),
+                       help="trainer: checkpoints are saved and loaded under this folder only "
+                            "(default: RLFLEET_CHECKPOINT_ROOT, else the working directory)")
     serve.add_argument("--trainers", help="coordinator: comma-separated trainer addresses")
     serve.add_argument("--rollouts", help="coordinator: comma-separated rollout engine addresses")
     serve.add_argument("--worker-token-file", help="coordinator: token for trainers and engines")

@@ -126,6 +126,18 @@ def add_servicer(add_to_server: Callable, servicer, server: grpc.Server, *, seri
     server.add_registered_method_handlers(name, handlers)
 
 
+def is_loopback(host: str) -> bool:
+    """Whether `host` (a name or an address) binds to loopback only."""
+    import ipaddress
+
+    if host in ("localhost", "ip6-localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # a name that may resolve anywhere
+
+
 def create_server(
     register: Callable[[grpc.Server], None],
     service_names: tuple[str, ...],
@@ -134,7 +146,10 @@ def create_server(
     token: str | None = None,
     max_workers: int = 16,
 ) -> Server:
-    """Build, bind and start a server; `address` may use port 0 (the bound port is returned)."""
+    """Build, bind and start a server; `address` may use port 0 (the bound port is returned).
+    Without a token it binds to loopback only: anyone who reaches the port could drive it."""
+    if not token and not is_loopback(address.rsplit(":", 1)[0]):
+        raise ValueError(f"address: refusing to serve {address} without a token (bind to 127.0.0.1, or set one)")
     interceptors = [_BearerAuth(token)] if token else []
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers),

@@ -86,7 +86,10 @@ def run_local(job: JobConfig, job_path: Path, args: argparse.Namespace) -> int:
     try:
         # An eval-only job evaluates a Hugging Face folder: the engines load it, no trainer runs.
         num_trainers = 0 if job.eval_only else job.trainer.num_trainers
-        trainers = [fleet.start("trainer", f"trainer-{i}", []) for i in range(num_trainers)]
+        # The trainers may write checkpoints where this job says, and nowhere else.
+        checkpoints = Path(job.checkpoint.dir or output_dir / "checkpoints").resolve()
+        trainers = [fleet.start("trainer", f"trainer-{i}", ["--checkpoint-root", str(checkpoints)])
+                    for i in range(num_trainers)]
         engines = [fleet.start("rollout", f"rollout-{i}", []) for i in range(job.rollout.num_engines)]
         fleet.wait_ready()
         fleet.start(

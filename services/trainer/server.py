@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+from pathlib import Path
 
 import grpc
 
@@ -102,7 +103,8 @@ def _lifecycle_proto(state) -> trainer_pb2.LifecycleStatus:
 
 
 class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
-    def __init__(self):
+    def __init__(self, checkpoint_root: Path = Path(".")):
+        self._checkpoint_root = checkpoint_root
         self._lock = threading.Lock()
         self._trainer: TorchTrainer | None = None
         self._pusher: WeightPusher | None = None
@@ -258,24 +260,41 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
     def SaveCheckpoint(self, request, context):
         with self._mutating(), rpc.abort_on(context, _ERRORS):
             trainer = self._require(context)
-            if not request.path:
-                raise ValueError("path: required")
-            trainer.save_checkpoint(request.path, include_optimizer=request.include_optimizer)
-            log.info("saved checkpoint of step %d to %s", trainer.step, request.path)
-            return trainer_pb2.SaveCheckpointResponse(path=request.path, step=trainer.step)
+            path = confine(request.path, self._checkpoint_root)
+            trainer.save_checkpoint(str(path), include_optimizer=request.include_optimizer)
+            log.info("saved checkpoint of step %d to %s", trainer.step, path)
+            return trainer_pb2.SaveCheckpointResponse(path=str(path), step=trainer.step)
 
     def LoadCheckpoint(self, request, context):
         with self._mutating(), rpc.abort_on(context, _ERRORS):
             trainer = self._require(context)
-            if not request.path:
-                raise ValueError("path: required")
-            trainer.load_checkpoint(request.path, load_optimizer=request.load_optimizer)
-            log.info("loaded checkpoint of step %d from %s", trainer.step, request.path)
+            path = confine(request.path, self._checkpoint_root)
+            trainer.load_checkpoint(str(path), load_optimizer=request.load_optimizer)
+            log.info("loaded checkpoint of step %d from %s", trainer.step, path)
             return trainer_pb2.LoadCheckpointResponse(step=trainer.step, status=self._status())
 
 
-def build_server(address: str = "127.0.0.1:0", token: str | None = None) -> rpc.Server:
-    servicer = TrainerServicer()
+def confine(path: str, root: Path) -> Path:
+    """`path` (relative paths are under `root`) as an absolute directory path inside `root`, links
+    and `..` resolved; ValueError naming the field otherwise. A trainer writes and reads
+    checkpoints nowhere else, whoever asks."""
+    if not path:
+        raise ValueError("path: required")
+    if "\x00" in path:
+        raise ValueError("path: contains a NUL character")
+    root = root.resolve()
+    resolved = (root / path).resolve()  # an absolute `path` replaces root here
+    if resolved != root and root not in resolved.parents:
+        raise ValueError(f"path: {path!r} is outside the checkpoint root {root} (the trainer's --checkpoint-root)")
+    if resolved.exists() and not resolved.is_dir():
+        raise ValueError(f"path: {resolved} exists and is not a directory")
+    return resolved
+
+
+def build_server(address: str = "127.0.0.1:0", token: str | None = None,
+                 checkpoint_root: str | Path = ".") -> rpc.Server:
+    """A trainer server; checkpoints go under `checkpoint_root` only (default: the working directory)."""
+    servicer = TrainerServicer(Path(checkpoint_root))
     server = rpc.create_server(
         lambda s: rpc.add_servicer(trainer_pb2_grpc.add_TrainerServicer_to_server, servicer, s, serialized=("GetWeights",)),
         (SERVICE_NAME,),

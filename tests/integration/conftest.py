@@ -16,7 +16,8 @@ def fleet(tmp_path_factory):
     logs = tmp_path_factory.mktemp("fleet-logs")
     local = LocalFleet(logs, env={"OMP_NUM_THREADS": "1"})
     try:
-        trainer = local.start("trainer", "trainer-0", [])
+        # checkpoints of jobs writing under any test's tmp_path, and nowhere else
+        trainer = local.start("trainer", "trainer-0", ["--checkpoint-root", str(tmp_path_factory.getbasetemp())])
         rollout = local.start("rollout", "rollout-0", [])
         local.wait_ready()
         local.start(

@@ -211,9 +211,10 @@ readinessProbe:
 
 {{/* Token arguments: the Secret is mounted as a file, never passed as a value. */}}
 {{- define "rlfleet.tokenArgs" -}}
-{{- if .Values.token.existingSecret }}
-- --token-file=/var/run/secrets/rlfleet/token
+{{- if not .Values.token.existingSecret }}
+{{- fail "token.existingSecret: required: pods listen beyond loopback, and rlfleet serves nothing there without a token (kubectl create secret generic rlfleet-token --from-literal=token=\"$(openssl rand -hex 32)\")" }}
 {{- end }}
+- --token-file=/var/run/secrets/rlfleet/token
 {{- end }}
 
 {{/* Volume mounts every rlfleet container has. */}}
