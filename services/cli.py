@@ -71,6 +71,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         server = build_coordinator(
             make_fleet, host=args.host, port=args.port, token=token, db=args.db, runs_dir=Path(args.runs_dir),
             http_port=args.http_port, max_running=args.max_running_jobs,
+            allowed_reward_modules=tuple(args.allow_reward_module),
         )
         manager = server.manager
     log.info("serving on %s:%d%s", args.host, server.port, " (bearer token required)" if token else "")
@@ -219,6 +220,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-running-jobs", type=int, default=1,
                        help="coordinator: jobs that run at once; the rest wait as pending")
     serve.add_argument("--job", help="coordinator: run this job file at start")
+    serve.add_argument("--allow-reward-module", action="append",
+                       default=[m for m in os.environ.get("RLFLEET_ALLOW_REWARD_MODULES", "").split(",") if m],
+                       help="coordinator: a module (or package) python rewards may import; repeat for more "
+                            "(default: RLFLEET_ALLOW_REWARD_MODULES, comma-separated; none: python rewards refused)")
     serve.add_argument("--exit-on-finish", action="store_true",
                        help="coordinator: with --job, exit when it ends: 0 succeeded, 1 failed, 2 invalid job")
     serve.set_defaults(func=cmd_serve)

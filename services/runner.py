@@ -23,6 +23,7 @@ from tqdm import tqdm
 from services import rpc
 from services.api import coordinator_pb2, coordinator_pb2_grpc
 from services.coordinator.config import JobConfig, to_dict
+from services.coordinator.rewards import python_reward_modules
 from services.launcher import ChildFailed, LocalFleet
 
 EXIT_OK, EXIT_FAILED, EXIT_CHILD, EXIT_INTERRUPTED = 0, 1, 3, 130
@@ -92,10 +93,13 @@ def run_local(job: JobConfig, job_path: Path, args: argparse.Namespace) -> int:
                     for i in range(num_trainers)]
         engines = [fleet.start("rollout", f"rollout-{i}", []) for i in range(job.rollout.num_engines)]
         fleet.wait_ready()
+        # This job is the user's own, on their machine: its python rewards may import what it names.
+        allowed = [a for m in python_reward_modules([job.reward, *(d.reward for d in job.eval.datasets if d.reward)])
+                   for a in ("--allow-reward-module", m)]
         fleet.start(
             "coordinator", "coordinator",
             ["--trainers", ",".join(c.address for c in trainers), "--rollouts", ",".join(c.address for c in engines),
-             "--runs-dir", str(output_dir.parent), "--db", "memory"],  # the coordinator lives as long as the run
+             "--runs-dir", str(output_dir.parent), "--db", "memory", *allowed],  # it lives as long as the run
         )
         fleet.wait_ready()
         coordinator = fleet.children[-1]

@@ -36,6 +36,7 @@ from services import rpc
 from services.coordinator.config import ConfigError, JobConfig, parse_job, to_dict
 from services.coordinator.loop import JobCancelled, RLLoop
 from services.coordinator.metrics import MetricsWriter, plot_rewards
+from services.coordinator.rewards import RewardError, check_reward_modules
 from services.coordinator.store import (
     CANCELLED,
     FAILED,
@@ -95,11 +96,13 @@ class JobManager:
         runs_dir: Path = Path("runs"),
         store: JobStore | None = None,
         max_running: int = 1,
+        allowed_reward_modules: tuple[str, ...] = (),
     ):
         if max_running < 1:
             raise ValueError(f"max_running: must be >= 1, got {max_running}")
         self._make_fleet = make_fleet
         self._runs_dir = Path(runs_dir)
+        self._allowed_reward_modules = tuple(allowed_reward_modules)  # python rewards a job may import
         self.store: JobStore = store if store is not None else MemoryJobStore()
         self._max_running = max_running
         self._live: dict[str, _Live] = {}
@@ -134,6 +137,11 @@ class JobManager:
         except RecursionError as e:
             raise ConfigError("job config: nested too deeply") from e
         _check_text(request_id=request_id, base_dir=base_dir, config=to_dict(config))
+        try:
+            check_reward_modules([config.reward, *(d.reward for d in config.eval.datasets if d.reward)],
+                                 self._allowed_reward_modules)
+        except RewardError as e:
+            raise ConfigError(str(e)) from e
         job_id = uuid.uuid4().hex[:12]
         output_dir = Path(config.output_dir) if config.output_dir else self._runs_dir / f"{config.name}-{job_id}"
         # The job's config says where it writes (checkpoints default to <output_dir>/checkpoints).

@@ -254,6 +254,22 @@ class HttpReward:
 _BUILTINS: dict[str, Reward] = {"exact_match": exact_match, "math_answer": math_answer, "countdown": countdown}
 
 
+def python_reward_modules(rewards: list[RewardConfig]) -> list[str]:
+    """The modules the `python` rewards among `rewards` would import."""
+    return sorted({cfg.function.partition(":")[0] for cfg in rewards if cfg.kind == "python" and cfg.function})
+
+
+def check_reward_modules(rewards: list[RewardConfig], allowed: tuple[str, ...]) -> None:
+    """RewardError naming the field unless every python reward's module is one the operator allowed
+    (a name in `allowed`, or a module inside such a package). A job config is data from whoever
+    submits it; importing a module runs its code in the coordinator."""
+    for module in python_reward_modules(rewards):
+        if not any(module == a or module.startswith(a + ".") for a in allowed):
+            allowed_text = ", ".join(allowed) if allowed else "none"
+            raise RewardError(f"reward.function: module {module!r} is not allowed on this coordinator (allowed: "
+                              f"{allowed_text}; the operator allows modules with --allow-reward-module)")
+
+
 def build_reward(cfg: RewardConfig) -> Reward:
     """The reward a RewardConfig describes; imports a python reward now, so a typo fails at start."""
     if cfg.kind in _BUILTINS:

@@ -61,10 +61,12 @@ def build_coordinator(
     runs_dir: Path = Path("runs"),
     http_port: int | None = None,
     max_running: int = 1,
+    allowed_reward_modules: tuple[str, ...] = (),
 ) -> CoordinatorService:
     """Open the store (a restart applies the restart policy to unfinished jobs) and start serving."""
     store = open_store(db)
-    manager = JobManager(make_fleet, runs_dir=runs_dir, store=store, max_running=max_running)
+    manager = JobManager(make_fleet, runs_dir=runs_dir, store=store, max_running=max_running,
+                         allowed_reward_modules=allowed_reward_modules)
     server = build_server(manager, f"{host}:{port}", token)
     rest = None
     if http_port is not None:

@@ -188,3 +188,42 @@ def test_http_reward_unreachable_endpoint():
     reward = build_reward(RewardConfig(kind="http", url=f"http://127.0.0.1:{port}/", timeout_s=2))
     with pytest.raises(RewardError, match="unreachable"):
         reward("c", "a", "p")
+
+
+def test_a_coordinator_imports_only_the_reward_modules_its_operator_allowed(tmp_path, tiny_model_dir, task_files):
+    import textwrap
+
+    from services.coordinator.config import ConfigError
+    from services.coordinator.jobs import JobManager
+    from services.coordinator.rewards import check_reward_modules
+    from services.coordinator.store import MemoryJobStore
+
+    train, test = task_files
+
+    def job(function: str) -> str:
+        return textwrap.dedent(f"""
+            name: rewards
+            model: {tiny_model_dir}
+            num_rollout: 1
+            data: {{train: {train}}}
+            reward: {{kind: python, function: "{function}"}}
+            eval: {{datasets: [{{name: h, path: {test}, reward: {{kind: exact_match}}}}]}}
+            """)
+
+    refusing = JobManager(lambda job: None, runs_dir=tmp_path, store=MemoryJobStore())
+    before = set(sys.modules)
+    with pytest.raises(ConfigError, match=r"reward.function: module 'os' is not allowed on this coordinator \(allowed: none"):
+        refusing.submit(job("os:system"), str(tmp_path))
+    with pytest.raises(ConfigError, match="module 'rlfleet_never_imported' is not allowed"):
+        refusing.submit(job("rlfleet_never_imported:f"), str(tmp_path))
+    assert "rlfleet_never_imported" not in set(sys.modules) - before  # refused before any import
+    assert refusing.list_page(None)[0] == []  # nothing stored, nothing queued
+
+    allowing = JobManager(lambda job: None, runs_dir=tmp_path, store=MemoryJobStore(), allowed_reward_modules=("team",))
+    check_reward_modules([RewardConfig(kind="python", function="team.scoring.v2:f")], ("team",))  # a package's module
+    with pytest.raises(RewardError, match="'teamwork' is not allowed"):  # a prefix is not a package
+        check_reward_modules([RewardConfig(kind="python", function="teamwork:f")], ("team",))
+    record, created = allowing.submit(job("team.scoring:f"), str(tmp_path))
+    assert created and record.name == "rewards"
+    allowing.close()
+    refusing.close()

@@ -312,5 +312,8 @@ affinity:
 - --token-file=/var/run/secrets/rlfleet/token
 - --worker-token-file=/var/run/secrets/rlfleet/token
 {{- end }}
+{{- range .Values.allowRewardModules }}
+- --allow-reward-module={{ . }}
+{{- end }}
 {{- end }}
 
