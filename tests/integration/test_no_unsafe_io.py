@@ -1,0 +1,112 @@
+"""No pickle on any wire or file, no unsafe loader, and no secret in any log: the code is scanned
+for the calls that would break this, and a job is run with a token to check every log for it."""
+
+from __future__ import annotations
+
+import ast
+import re
+import secrets
+import textwrap
+import time
+from pathlib import Path
+
+from services.api import coordinator_pb2, coordinator_pb2_grpc
+from services.launcher import LocalFleet
+from tests.conftest import stop_fleet
+
+SOURCES = sorted((Path(__file__).resolve().parents[2] / "services").rglob("*.py"))
+UNSAFE_MODULES = {"pickle", "cPickle", "dill", "cloudpickle", "marshal", "shelve", "joblib"}
+
+
+def _calls(tree: ast.AST):
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            yield node, ast.unparse(node.func)
+
+
+def test_no_module_imports_a_pickler_or_calls_an_unsafe_loader():
+    problems = []
+    for path in SOURCES:
+        tree = ast.parse(path.read_text(), str(path))
+        for node in ast.walk(tree):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            problems += [f"{path.name}:{node.lineno} imports {n}" for n in names if n.split(".")[0] in UNSAFE_MODULES]
+        for call, name in _calls(tree):
+            keywords = {k.arg: ast.unparse(k.value) for k in call.keywords}
+            where = f"{path.name}:{call.lineno} {name}"
+            if name.endswith("torch.load") and keywords.get("weights_only") != "True":
+                problems.append(f"{where} without weights_only=True")
+            if name in ("yaml.load", "yaml.load_all") and "Loader" not in keywords:
+                problems.append(f"{where} without a safe Loader")
+            if name.endswith("np.load") and keywords.get("allow_pickle") == "True":
+                problems.append(f"{where} with allow_pickle=True")
+            if name in ("eval", "exec", "pickle.loads", "torch.jit.load"):
+                problems.append(where)
+    assert not problems, problems
+
+
+def _logged_names(node: ast.AST) -> list[str]:
+    """Names whose values an expression passes on (an `x if token else y` logs x or y, not token)."""
+    if isinstance(node, ast.IfExp):
+        return _logged_names(node.body) + _logged_names(node.orelse)
+    if isinstance(node, ast.Name):
+        return [node.id]
+    if isinstance(node, ast.Attribute):
+        return [node.attr] + _logged_names(node.value)
+    return [name for child in ast.iter_child_nodes(node) for name in _logged_names(child)]
+
+
+def test_no_log_call_formats_a_token_or_secret():
+    pattern = re.compile(r"(token|secret|password|credential)", re.I)
+    problems = []
+    for path in SOURCES:
+        for call, name in _calls(ast.parse(path.read_text(), str(path))):
+            if not re.search(r"(log|logger|logging)\.(debug|info|warning|error|exception|critical)$", name):
+                continue
+            for arg in call.args[1:]:  # the message's arguments, not its text
+                if any(pattern.search(n) for n in _logged_names(arg)):
+                    problems.append(f"{path.name}:{call.lineno}: {ast.unparse(call)[:120]}")
+    assert not problems, problems
+
+
+def test_a_job_run_with_a_token_leaves_it_in_no_log(tmp_path, tiny_model_dir, task_files):
+    token = secrets.token_hex(16)
+    (tmp_path / "token").write_text(token)
+    train, test = task_files
+    local = LocalFleet(tmp_path / "logs", env={"OMP_NUM_THREADS": "1", "RLFLEET_TOKEN": token})
+    try:
+        trainer = local.start("trainer", "trainer-0", ["--checkpoint-root", str(tmp_path), "--log-level", "DEBUG"])
+        rollout = local.start("rollout", "rollout-0", ["--log-level", "DEBUG"])
+        local.wait_ready()
+        coordinator = local.start("coordinator", "coordinator", [
+            "--trainers", trainer.address, "--rollouts", rollout.address, "--db", str(tmp_path / "jobs.db"),
+            "--worker-token-file", str(tmp_path / "token"), "--log-level", "DEBUG"])
+        local.wait_ready()
+        job = textwrap.dedent(f"""
+            name: secret-keeper
+            model: {tiny_model_dir}
+            num_rollout: 2
+            output_dir: {tmp_path / 'out'}
+            rollout: {{prompts_per_step: 2, samples_per_prompt: 2, sampling: {{max_new_tokens: 3}}}}
+            data: {{train: {train}}}
+            eval: {{every: 0, datasets: [{{name: h, path: {test}, limit: 4, sampling: {{max_new_tokens: 3}}}}]}}
+            weight_sync: {{plane: grpc_stream}}
+            checkpoint: {{every: 1, dir: {tmp_path / 'ckpt'}}}
+            """)
+        from services import rpc
+
+        channel = rpc.open_channel(coordinator.address, token)
+        stub = coordinator_pb2_grpc.CoordinatorStub(channel)
+        created = stub.CreateJob(coordinator_pb2.CreateJobRequest(config_yaml=job), timeout=30)
+        list(stub.WatchJob(coordinator_pb2.WatchJobRequest(job_id=created.id), timeout=180))
+        final = stub.GetJob(coordinator_pb2.GetJobRequest(job_id=created.id), timeout=30)
+        channel.close()
+        assert final.state == coordinator_pb2.JOB_STATE_SUCCEEDED, final.error
+        time.sleep(0.5)  # the last log lines
+    finally:
+        stop_fleet(local)
+    written = [p for p in tmp_path.rglob("*") if p.is_file() and p.name != "token"]
+    assert any(p.suffix == ".log" for p in written) and any("jobs.db" in p.name for p in written)
+    leaks = [str(p) for p in written if token.encode() in p.read_bytes()]
+    assert not leaks, f"the token is in {leaks}"
