@@ -100,6 +100,10 @@ class RolloutEngine:
         self._lock = threading.Lock()
 
     @property
+    def max_positions(self) -> int:
+        return self.model_config.max_position_embeddings
+
+    @property
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.model.parameters())
 

@@ -32,6 +32,10 @@ class GenerationEngine(Protocol):
     @property
     def num_parameters(self) -> int: ...
 
+    @property
+    def max_positions(self) -> int:
+        """Prompt plus new tokens a row may hold."""
+
     def generate(self, prompts_ids: list[list[int]], sampling: Sampling,
                  cancelled: Callable[[], bool] | None = None) -> tuple[list[Generation], int]:
         """Completions (prompt-major) and the one weight version that made all of them."""

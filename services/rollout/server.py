@@ -54,6 +54,28 @@ def sampling_from_proto(p: rollout_pb2.SamplingParams) -> Sampling:
     )
 
 
+MAX_ROWS_PER_CALL = 65536  # prompts x n
+BYTES_PER_POSITION = 64  # a prompt longer than this many bytes per position cannot fit the model
+
+
+def _check_sizes(request: rollout_pb2.GenerateRequest, sampling: Sampling, max_positions: int) -> None:
+    """Refuse what cannot fit, by field, before tokenizing: a 10 MB prompt cost 2 GB of memory to
+    tokenize only to be refused after."""
+    count = len(request.prompts) or len(request.input_ids)
+    if count * sampling.n > MAX_ROWS_PER_CALL:
+        raise ValueError(f"prompts: {count} prompts x n={sampling.n} is more than {MAX_ROWS_PER_CALL} completions "
+                         "per call; split the call")
+    limit = BYTES_PER_POSITION * max_positions
+    for i, prompt in enumerate(request.prompts):
+        if len(prompt) > limit:  # characters: at least as many bytes
+            raise ValueError(f"prompts[{i}]: {len(prompt)} characters cannot fit max_position_embeddings="
+                             f"{max_positions} (at most {limit})")
+    for i, ids in enumerate(request.input_ids):
+        if len(ids.ids) + sampling.max_new_tokens > max_positions:
+            raise ValueError(f"input_ids[{i}]: {len(ids.ids)} tokens plus max_new_tokens={sampling.max_new_tokens} "
+                             f"exceed max_position_embeddings={max_positions}")
+
+
 class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
     def __init__(self):
         self._engine: GenerationEngine | None = None
@@ -112,13 +134,14 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
             engine = self._require(context)
             if request.prompts and request.input_ids:
                 raise ValueError("prompts, input_ids: give one or the other, not both")
+            sampling = sampling_from_proto(request.sampling)
+            _check_sizes(request, sampling, engine.max_positions)  # before any tokenizing
             if request.prompts:
                 prompts_ids = [engine.tokenizer.encode(p) for p in request.prompts]
             else:
                 prompts_ids = [list(t.ids) for t in request.input_ids]
             if not prompts_ids:
                 raise ValueError("prompts: no prompts given")
-            sampling = sampling_from_proto(request.sampling)
             # A caller that cancels or runs past its deadline stops the work (checked every round).
             results, version = engine.generate(prompts_ids, sampling, cancelled=lambda: not context.is_active())
             return rollout_pb2.GenerateResponse(
