@@ -8,13 +8,30 @@ its thread work on its service's device first (`use`), before any CUDA call.
 
 from __future__ import annotations
 
+import re
+
 import torch
+
+
+def parse(text: str) -> torch.device:
+    """`cpu`, `cuda` or `cuda:N` on a machine that has it; ValueError naming the field otherwise."""
+    if not _DEVICE.fullmatch(text or ""):
+        raise ValueError(f"device: expected cpu, cuda or cuda:N, got {text!r}")
+    device = torch.device(text)
+    if device.type == "cuda":
+        seen = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if seen == 0 or (device.index is not None and device.index >= seen):
+            raise ValueError(f"device: {text} does not exist here (this process sees {seen} GPU(s))")
+    return device
+
+
+_DEVICE = re.compile(r"cpu|cuda(:\d{1,3})?")
 
 
 def use(device: torch.device | str) -> None:
     """Make the calling thread's current CUDA device `device` (a no-op for CPU and for a bare
     "cuda", which means the current device)."""
-    device = torch.device(device)
+    device = parse(device) if isinstance(device, str) else device
     if device.type != "cuda" or device.index is None:
         return
     if not torch.cuda.is_available() or device.index >= torch.cuda.device_count():

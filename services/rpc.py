@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import hmac
 import logging
+import math
 import signal
 import threading
 from concurrent import futures
@@ -124,6 +125,20 @@ def add_servicer(add_to_server: Callable, servicer, server: grpc.Server, *, seri
         handlers[method] = handlers[method]._replace(response_serializer=None)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(name, handlers),))
     server.add_registered_method_handlers(name, handlers)
+
+
+MAX_TIMEOUT_S = 24 * 3600.0
+
+
+def timeout_seconds(value: float, default: float, field: str = "timeout_s") -> float:
+    """A request's timeout: 0 (unset) is `default`; NaN, infinite, negative or longer than a day
+    is an error naming the field (a NaN once read as "no timeout" and held a thread forever)."""
+    if value == 0:
+        return default
+    if not (math.isfinite(value) and 0 < value <= MAX_TIMEOUT_S):
+        raise ValueError(f"{field}: must be seconds in (0, {MAX_TIMEOUT_S:.0f}] (0: the default {default:g} s), "
+                         f"got {value}")
+    return value
 
 
 def is_loopback(host: str) -> bool:

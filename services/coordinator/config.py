@@ -116,7 +116,8 @@ class RolloutConfig:
         _check(self.prompts_per_step >= 1, "prompts_per_step", f"must be >= 1, got {self.prompts_per_step}")
         _check(self.samples_per_prompt >= 1, "samples_per_prompt", f"must be >= 1, got {self.samples_per_prompt}")
         _check(self.num_engines >= 1, "num_engines", f"must be >= 1, got {self.num_engines}")
-        _check(self.max_batch_size >= 1, "max_batch_size", f"must be >= 1, got {self.max_batch_size}")
+        _check(1 <= self.max_batch_size <= 4096, "max_batch_size",  # the engines' own bound
+               f"must be in [1, 4096], got {self.max_batch_size}")
         _check(0 < self.kv_cache_fraction <= 0.95, "kv_cache_fraction", f"must be in (0, 0.95], got {self.kv_cache_fraction}")
         for device in self.devices:
             _check(bool(_DEVICE_RE.fullmatch(device)), "devices", f"expected cpu, cuda or cuda:N, got {device!r}")

@@ -17,9 +17,10 @@ from typing import Callable
 
 import torch
 
+from services import devices
 from services.models import load_hf_dir, load_tokenizer, memory
 from services.models.checkpoint import checkpoint_step, load_config
-from services.models.decoder import DecoderLM, init_weights
+from services.models.decoder import DecoderLM, init_weights, torch_dtype
 from services.rollout.builtin.core import CoreSettings, GenerationCore
 from services.rollout.types import Generation, Sampling
 from services.weights.apply import adoption_plan, load_buckets_into, named_weights
@@ -58,6 +59,8 @@ class RolloutSettings:
             raise ValueError("model_path: required")
         if self.engine != "torch":
             raise ValueError(f"engine: unknown engine {self.engine!r} (available: 'torch')")
+        devices.parse(self.device)
+        torch_dtype(self.dtype)
         self.core_settings()  # names a bad field
 
     def core_settings(self) -> CoreSettings:

@@ -44,7 +44,7 @@ def sampling_from_proto(p: rollout_pb2.SamplingParams) -> Sampling:
     return Sampling(
         temperature=p.temperature if p.HasField("temperature") else 1.0,
         top_p=p.top_p if p.HasField("top_p") else 1.0,
-        top_k=p.top_k,
+        top_k=0 if p.top_k == -1 else p.top_k,  # the proto's "0 or -1 = all"
         max_new_tokens=p.max_new_tokens or 128,
         stop=tuple(p.stop),
         stop_token_ids=tuple(p.stop_token_ids),
@@ -172,6 +172,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
             source = request.WhichOneof("source")
             if source is None:
                 raise ValueError("source: one of trainer, broadcast, shm, cuda_ipc is required")
+            rpc.timeout_seconds(request.timeout_s, DEFAULT_UPDATE_TIMEOUT_S)  # a bad one names itself now
             if source == "broadcast" and request.broadcast.group_name not in self._groups:
                 raise ValueError(f"broadcast.group_name: no group {request.broadcast.group_name!r}; call InitWeightUpdateGroup")
             read_back = request.verify == weights_pb2.VERIFY_MODE_EXACT
@@ -211,7 +212,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
         if source == "shm":  # a sleeping trainer's host copy, uploaded to our GPU
             buffers = receiver.receive_host_copy(self._shm, request.shm, manifest, self._staging)
         elif source == "trainer":
-            buffers = self._pull(request.trainer, manifest, request.timeout_s or DEFAULT_UPDATE_TIMEOUT_S)
+            buffers = self._pull(request.trainer, manifest, rpc.timeout_seconds(request.timeout_s, DEFAULT_UPDATE_TIMEOUT_S))
         elif source == "cuda_ipc":  # the trainer's GPU memory: copied out of it
             buffers = receiver.receive_cuda_ipc(request.cuda_ipc, manifest, self._staging)
         else:
@@ -237,7 +238,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
             group = WeightGroup(
                 master_address=request.master_address, master_port=request.master_port, rank=request.rank_offset,
                 world_size=request.world_size, group_name=name, backend=request.backend or "gloo",
-                timeout_s=request.timeout_s or DEFAULT_UPDATE_TIMEOUT_S, device=engine.device,
+                timeout_s=rpc.timeout_seconds(request.timeout_s, DEFAULT_UPDATE_TIMEOUT_S), device=engine.device,
             ).connect()
             self._groups[name] = group
             return weights_pb2.InitWeightUpdateGroupResponse(success=True, message=f"joined as rank {group.rank}")

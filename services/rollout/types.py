@@ -18,6 +18,7 @@ import math
 from dataclasses import dataclass
 
 MAX_SAMPLES_PER_PROMPT = 1024
+MIN_TEMPERATURE = 1e-4
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -37,6 +38,9 @@ class Sampling:
     def __post_init__(self) -> None:
         if not (self.temperature >= 0 and math.isfinite(self.temperature)):
             raise ValueError(f"temperature: must be >= 0, got {self.temperature}")
+        if 0 < self.temperature < MIN_TEMPERATURE:
+            raise ValueError(f"temperature: {self.temperature} would overflow the scaled logits; use 0 for greedy "
+                             f"decoding or at least {MIN_TEMPERATURE}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p: must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:

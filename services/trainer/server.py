@@ -32,6 +32,7 @@ _ERRORS = {
     FileNotFoundError: grpc.StatusCode.NOT_FOUND,
 }
 log = rpc.get_logger("trainer")
+MAX_CHUNK_BYTES = 64 << 20  # a chunk is one message, and messages are capped at rpc.MAX_MESSAGE_BYTES
 
 
 def settings_from_proto(cfg: trainer_pb2.TrainerConfig) -> TrainerSettings:
@@ -203,6 +204,9 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
             return trainer_pb2.GetWeightManifestResponse(manifest=self._manifests.encode(manifest))
 
     def GetWeights(self, request, context):
+        if not 0 <= request.chunk_bytes <= MAX_CHUNK_BYTES:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"chunk_bytes: must be in [0, {MAX_CHUNK_BYTES}] (0: {DEFAULT_CHUNK_BYTES}), got {request.chunk_bytes}")
         with self._lock:
             self._require(context)
             source = self._pusher.source
@@ -261,7 +265,8 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         with self._mutating(), rpc.abort_on(context, _ERRORS):
             trainer = self._require(context)
             path = confine(request.path, self._checkpoint_root)
-            trainer.save_checkpoint(str(path), include_optimizer=request.include_optimizer)
+            with _path_errors(path):
+                trainer.save_checkpoint(str(path), include_optimizer=request.include_optimizer)
             log.info("saved checkpoint of step %d to %s", trainer.step, path)
             return trainer_pb2.SaveCheckpointResponse(path=str(path), step=trainer.step)
 
@@ -269,9 +274,21 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         with self._mutating(), rpc.abort_on(context, _ERRORS):
             trainer = self._require(context)
             path = confine(request.path, self._checkpoint_root)
-            trainer.load_checkpoint(str(path), load_optimizer=request.load_optimizer)
+            with _path_errors(path):
+                trainer.load_checkpoint(str(path), load_optimizer=request.load_optimizer)
             log.info("loaded checkpoint of step %d from %s", trainer.step, path)
             return trainer_pb2.LoadCheckpointResponse(step=trainer.step, status=self._status())
+
+
+@contextlib.contextmanager
+def _path_errors(path: Path):
+    """The file system's refusals (a name too long, no space, no permission) name the path."""
+    try:
+        yield
+    except FileNotFoundError:
+        raise
+    except OSError as e:
+        raise ValueError(f"path: {e.strerror or e}: {path}") from e
 
 
 def confine(path: str, root: Path) -> Path:
@@ -283,11 +300,12 @@ def confine(path: str, root: Path) -> Path:
     if "\x00" in path:
         raise ValueError("path: contains a NUL character")
     root = root.resolve()
-    resolved = (root / path).resolve()  # an absolute `path` replaces root here
-    if resolved != root and root not in resolved.parents:
-        raise ValueError(f"path: {path!r} is outside the checkpoint root {root} (the trainer's --checkpoint-root)")
-    if resolved.exists() and not resolved.is_dir():
-        raise ValueError(f"path: {resolved} exists and is not a directory")
+    with _path_errors(Path(path)):
+        resolved = (root / path).resolve()  # an absolute `path` replaces root here
+        if resolved != root and root not in resolved.parents:
+            raise ValueError(f"path: {path!r} is outside the checkpoint root {root} (the trainer's --checkpoint-root)")
+        if resolved.exists() and not resolved.is_dir():
+            raise ValueError(f"path: {resolved} exists and is not a directory")
     return resolved
 
 

@@ -6,7 +6,11 @@ dataclass, and only the trainer reads it.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+
+from services import devices
+from services.models.decoder import torch_dtype
 
 KL_ESTIMATORS = ("k1", "k2", "k3", "low_var_kl")
 LOSS_AGGREGATIONS = ("token_mean", "seq_mean_token_sum", "seq_mean_token_mean")
@@ -23,6 +27,14 @@ class OptimizerSettings:
     eps: float = 1e-8
     grad_clip: float = 1.0
 
+    def __post_init__(self) -> None:
+        _finite("optimizer.lr", self.lr, low=0.0)
+        _finite("optimizer.weight_decay", self.weight_decay, low=0.0)
+        _finite("optimizer.beta1", self.beta1, low=0.0, below=1.0)
+        _finite("optimizer.beta2", self.beta2, low=0.0, below=1.0)
+        _finite("optimizer.eps", self.eps, low=0.0, open_low=True)
+        _finite("optimizer.grad_clip", self.grad_clip, low=0.0)
+
 
 @dataclass(frozen=True, kw_only=True)
 class SchedulerSettings:
@@ -30,6 +42,11 @@ class SchedulerSettings:
     warmup_steps: int = 0
     decay_steps: int = 0
     min_lr_ratio: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.warmup_steps < 0 or self.decay_steps < 0:
+            raise ValueError("scheduler.warmup_steps, scheduler.decay_steps: must be >= 0")
+        _finite("scheduler.min_lr_ratio", self.min_lr_ratio, low=0.0, high=1.0)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -40,6 +57,24 @@ class LossSettings:
     kl_estimator: str = "low_var_kl"
     entropy_coef: float = 0.0
     loss_agg: str = "token_mean"
+
+    def __post_init__(self) -> None:
+        _finite("loss.clip_eps_low", self.clip_eps_low, low=0.0)
+        _finite("loss.clip_eps_high", self.clip_eps_high, low=0.0)
+        _finite("loss.kl_coef", self.kl_coef, low=0.0)
+        _finite("loss.entropy_coef", self.entropy_coef)
+
+
+def _finite(name: str, value: float, *, low: float | None = None, high: float | None = None,
+            below: float | None = None, open_low: bool = False) -> None:
+    """ValueError naming the field unless `value` is finite and in range."""
+    ok = math.isfinite(value) and (low is None or (value > low if open_low else value >= low)) \
+        and (high is None or value <= high) and (below is None or value < below)
+    if not ok:
+        bounds = [f"{'>' if open_low else '>='} {low}" if low is not None else "",
+                  f"<= {high}" if high is not None else "", f"< {below}" if below is not None else ""]
+        wanted = " and ".join(b for b in bounds if b)
+        raise ValueError(f"{name}: must be a finite number{' ' + wanted if wanted else ''}, got {value}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -65,6 +100,8 @@ class TrainerSettings:
             raise ValueError("model_path: required")
         if self.backend != "torch":
             raise ValueError(f"backend: unknown backend {self.backend!r} (available: 'torch')")
+        devices.parse(self.device)
+        torch_dtype(self.dtype)
         for tag in self.tags:
             if tag not in TAGS:
                 raise ValueError(f"tags: unknown tag {tag!r} (expected one of {', '.join(TAGS)})")

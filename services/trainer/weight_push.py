@@ -18,6 +18,7 @@ import torch
 from services.api import weights_pb2
 from services.trainer.host_store import HostCopy
 from services.trainer.weight_source import Snapshot, WeightSource
+from services import rpc
 from services.weights import cuda_ipc, staging
 from services.weights.broadcast import WeightGroup, free_port
 from services.weights.buckets import Manifest
@@ -147,7 +148,7 @@ class WeightPusher:
             world_size=request.world_size,
             group_name=name,
             backend=request.backend or "gloo",
-            timeout_s=request.timeout_s or 120.0,
+            timeout_s=rpc.timeout_seconds(request.timeout_s, 120.0),
             device=self.trainer.device,
         )
         group.connect_in_background()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import math
 import os
 import socket
 import threading
@@ -24,6 +25,7 @@ from services.weights.errors import WeightSyncError
 
 log = logging.getLogger("rlfleet.weights")
 BACKENDS = ("gloo", "nccl")
+MAX_WORLD_SIZE = 4096
 # Buckets travel in parts this size, so the receiver verifies part k while part k+1 arrives.
 PART_BYTES = 64 << 20
 
@@ -43,8 +45,16 @@ class WeightGroup:
             raise ValueError(f"backend: unknown backend {backend!r} (expected gloo or nccl)")
         if backend == "nccl" and device.type != "cuda":
             raise ValueError("backend: nccl needs a CUDA device; use gloo on CPU")
+        if not 1 <= world_size <= MAX_WORLD_SIZE:
+            raise ValueError(f"world_size: must be in [1, {MAX_WORLD_SIZE}], got {world_size}")
         if not 0 <= rank < world_size:
             raise ValueError(f"rank_offset: rank {rank} is outside the group of {world_size}")
+        if not 0 <= master_port <= 65535:
+            raise ValueError(f"master_port: {master_port} is not a TCP port")
+        if rank != 0 and (not master_address or master_port == 0):
+            raise ValueError("master_address, master_port: a joining rank needs rank 0's address and port")
+        if not (math.isfinite(timeout_s) and 0 < timeout_s <= 86400):
+            raise ValueError(f"timeout_s: must be seconds in (0, 86400], got {timeout_s}")
         self.name, self.rank, self.world_size, self.backend = group_name, rank, world_size, backend
         self.device = device
         self.timeout = datetime.timedelta(seconds=timeout_s)

@@ -245,6 +245,8 @@ def test_eos_is_kept_in_output_ids_but_special_tokens_leave_the_text(generate):
     [
         ("temperature", {"temperature": -0.1}),
         ("temperature", {"temperature": math.nan}),
+        ("temperature", {"temperature": 1e-45}),
+        ("temperature", {"temperature": math.inf}),
         ("top_p", {"top_p": 0.0}),
         ("top_p", {"top_p": 1.01}),
         ("top_k", {"top_k": -1}),

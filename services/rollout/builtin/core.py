@@ -31,6 +31,7 @@ from services.rollout.types import Generation, Sampling, validate_prompts
 log = logging.getLogger("rlfleet.rollout")
 
 MAX_PREFILL_TOKENS = 16384  # per prefill forward: bounds its activations
+MAX_BATCH_SIZE = 4096
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -41,8 +42,8 @@ class CoreSettings:
     check_every: int = 0  # decode steps between host checks; 0: 1 on CPU, 8 on a GPU
 
     def __post_init__(self) -> None:
-        if self.max_batch_size < 1:
-            raise ValueError(f"max_batch_size: must be >= 1, got {self.max_batch_size}")
+        if not 1 <= self.max_batch_size <= MAX_BATCH_SIZE:
+            raise ValueError(f"max_batch_size: must be in [1, {MAX_BATCH_SIZE}], got {self.max_batch_size}")
         if not 0 < self.kv_cache_fraction <= 0.95:
             raise ValueError(f"kv_cache_fraction: must be in (0, 0.95], got {self.kv_cache_fraction}")
 
