@@ -32,6 +32,7 @@ from services.coordinator.dataclass_io import (  # noqa: F401 (ConfigError and f
     json_schema,
     to_dict,
 )
+from services.coordinator.datasets import DatasetError, load_jsonl
 
 RewardKind = Literal["exact_match", "math_answer", "countdown", "python", "http"]
 AdvantageKind = Literal["grpo", "dr_grpo", "reinforce_pp", "reinforce_pp_baseline", "ppo"]
@@ -235,7 +236,8 @@ class AlgorithmConfig:
         normalize_std: divide GRPO advantages by the group's standard deviation (grpo only).
         kl_coef: weight of the KL penalty against the reference model; > 0 loads a ref copy.
         kl_estimator: k1, k2, k3 or low_var_kl (k3 clamped to [-10, 10]).
-        use_kl_loss: true = KL is a loss term; false = it is subtracted from the reward.
+        use_kl_loss: true = KL is a loss term (kl_estimator); false = kl_coef * sum_t (logp - ref_logp)
+            (the k1 estimate) is subtracted from each completion's reward before advantages.
         clip_eps_low: PPO ratio clip below 1 (ratio >= 1 - clip_eps_low).
         clip_eps_high: PPO ratio clip above 1 (ratio <= 1 + clip_eps_high).
         entropy_coef: weight of the entropy bonus.
@@ -323,7 +325,7 @@ class TrainerConfig:
     """The trainer fleet: backend, placement, precision, optimizer and memory lifecycle.
 
     Attributes:
-        backend: torch or megatron.
+        backend: torch (the only trainer backend so far; megatron is planned).
         device: cpu, cuda or cuda:N.
         dtype: parameter dtype: float32, bfloat16 or float16.
         num_trainers: trainer ranks (one process each).
@@ -336,7 +338,7 @@ class TrainerConfig:
         tags: extra model copies to keep: ref, old_actor, teacher (ref is added when kl_coef > 0).
     """
 
-    backend: Literal["torch", "megatron"] = "torch"
+    backend: Literal["torch"] = "torch"
     device: str = "cpu"
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     num_trainers: int = 1
@@ -564,6 +566,14 @@ def check_paths(cfg: JobConfig) -> None:
         if not file.is_file():
             what = "does not exist" if not file.exists() else "is not a file"
             raise ConfigError(f"{name}: {file} {what}")
+    # Every row is read now, not after the services start: an empty file or a row without the
+    # prompt key fails the submit (exit 2), naming the field, the file and the line.
+    limits = {f"eval.datasets[{i}].path": d.limit for i, d in enumerate(cfg.eval.datasets)}
+    for name, file in files:
+        try:
+            load_jsonl(file, cfg.data.prompt_key, cfg.data.answer_key, limit=limits.get(name))
+        except DatasetError as e:
+            raise ConfigError(f"{name}: {e}") from e
 
 
 def resolve_output_dir(cfg: JobConfig, *, cwd: Path, now: datetime) -> Path:

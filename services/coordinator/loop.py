@@ -75,7 +75,7 @@ def trainer_config(job: JobConfig) -> trainer_pb2.TrainerConfig:
         loss=trainer_pb2.LossConfig(
             clip_eps_low=a.clip_eps_low,
             clip_eps_high=a.clip_eps_high,
-            kl_coef=a.kl_coef,
+            kl_coef=a.kl_coef if a.use_kl_loss else 0.0,  # in the reward instead: see rl_step
             kl_estimator=a.kl_estimator,
             entropy_coef=a.entropy_coef,
             loss_agg=a.loss_agg,
@@ -275,9 +275,14 @@ class RLLoop:
         rewards = torch.tensor(
             [self._reward(c.text, e.answer, e.prompt) for e, group in zip(examples, _groups(completions, n)) for c in group]
         ).view(len(examples), n)  # [P, n]
-        advantages = compute_advantages(algo.advantage, rewards, normalize_std=algo.normalize_std).view(-1)
         if job.trainer.colocate:  # the engines' memory goes to the trainer while it trains
             self._on_engines(lambda e: e.release_memory(["kv_cache", "weights"]))
+        trainer = self.fleet.trainers[0]
+        kl_reward = None
+        if algo.needs_ref and not algo.use_kl_loss:  # KL as a reward penalty: kl_coef * sum_t (logp - ref)
+            kl_reward = self._kl_in_reward(trainer, completions).view(len(examples), n)  # [P, n]
+            rewards = rewards - algo.kl_coef * kl_reward
+        advantages = compute_advantages(algo.advantage, rewards, normalize_std=algo.normalize_std).view(-1)
         samples = [
             trainer_pb2.Sample(
                 prompt_ids=c.prompt_ids,
@@ -289,8 +294,7 @@ class RLLoop:
             if c.output_ids
         ]
         batch = trainer_pb2.Batch(samples=samples)
-        trainer = self.fleet.trainers[0]
-        if algo.needs_ref:
+        if algo.needs_ref and algo.use_kl_loss:
             for sample, ref in zip(batch.samples, trainer.compute_logprobs("ref", batch)):
                 sample.ref_logprobs.extend(ref)
         train_metrics, _ = trainer.train_step(batch)
@@ -312,11 +316,24 @@ class RLLoop:
             "sync_s": sync["seconds"],
             "sync_from_host": float(sync["source"] == "host"),
             **({"sleep_s": t2 - slept} if job.trainer.offload else {}),
+            **({"kl_reward_mean": float(kl_reward.mean())} if kl_reward is not None else {}),
             "weights_version": float(self.weights_version),
             **{f"train/{k}": v for k, v in train_metrics.items()},
         }
         self.emit("step", step, metrics)
         return metrics
+
+    @staticmethod
+    def _kl_in_reward(trainer: TrainerClient, completions: list[Completion]) -> torch.Tensor:
+        """Per completion, sum over its tokens of (engine logprob - ref logprob): the k1 estimate
+        of KL(policy || ref) for the sequence (0 for an empty completion)."""
+        scored = [i for i, c in enumerate(completions) if c.output_ids]
+        batch = trainer_pb2.Batch(samples=[trainer_pb2.Sample(prompt_ids=completions[i].prompt_ids,
+                                                              response_ids=completions[i].output_ids) for i in scored])
+        kl = torch.zeros(len(completions))
+        for i, ref in zip(scored, trainer.compute_logprobs("ref", batch) if scored else []):
+            kl[i] = sum(completions[i].logprobs) - sum(ref)
+        return kl
 
     def sft_stage(self) -> None:
         sft = self.job.sft

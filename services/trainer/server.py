@@ -44,14 +44,10 @@ def settings_from_proto(cfg: trainer_pb2.TrainerConfig) -> TrainerSettings:
         device=cfg.device or defaults.device,
         dtype=cfg.dtype or defaults.dtype,
         seed=cfg.seed,
-        optimizer=OptimizerSettings(
-            lr=opt.lr or defaults.optimizer.lr,
-            weight_decay=opt.weight_decay,
-            beta1=opt.beta1 or defaults.optimizer.beta1,
-            beta2=opt.beta2 or defaults.optimizer.beta2,
-            eps=opt.eps or defaults.optimizer.eps,
-            grad_clip=opt.grad_clip,
-        ),
+        optimizer=OptimizerSettings(**{  # unset: the default; set: what it says, 0 included
+            name: getattr(opt, name) for name in ("lr", "weight_decay", "beta1", "beta2", "eps", "grad_clip")
+            if opt.HasField(name)
+        }),
         scheduler=SchedulerSettings(
             kind=sched.kind or defaults.scheduler.kind,
             warmup_steps=sched.warmup_steps,

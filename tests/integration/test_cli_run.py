@@ -72,6 +72,22 @@ def test_unknown_key_is_rejected_before_anything_starts(tmp_path, tiny_model_dir
     assert not (tmp_path / "runs").exists()
 
 
+@pytest.mark.parametrize("rows, message", [
+    ("", "no rows"),
+    ('{"prompt": "1+2=", "answer": "3"}\n{"question": "2+2=", "answer": "4"}\n', ":2: missing key 'prompt'"),
+])
+def test_a_dataset_that_cannot_be_read_is_rejected_before_anything_starts(tmp_path, tiny_model_dir, task_files,
+                                                                          rows, message):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(rows)
+    job = _job(tmp_path, tiny_model_dir, bad, task_files[1], num_rollout=1)
+    started = time.monotonic()
+    proc = _run([str(job)], tmp_path)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 2 and "data.train:" in err and message in err, err
+    assert time.monotonic() - started < 15 and not (tmp_path / "runs").exists()  # no service was started
+
+
 def _children(pid: int) -> dict[int, str]:
     found = {}
     for entry in Path("/proc").iterdir():

@@ -228,3 +228,34 @@ def test_a_device_the_machine_lacks_is_refused_by_name_and_the_old_configuration
         assert trainer.GetStatus(trainer_pb2.GetTrainerStatusRequest(), timeout=10).configured
         status = engine.GetStatus(rollout_pb2.GetRolloutStatusRequest(), timeout=10)
         assert status.serving and status.weight_version == synced.version
+
+
+@pytest.mark.parametrize("use_kl_loss", [True, False])
+def test_kl_goes_to_the_loss_or_to_the_reward_as_the_job_says(fleet, tiny_model_dir, task_files, tmp_path, use_kl_loss):
+    train, test = task_files
+    job = textwrap.dedent(
+        f"""
+        name: kl-{use_kl_loss}
+        model: {tiny_model_dir}
+        num_rollout: 2
+        output_dir: {tmp_path / 'out'}
+        rollout: {{prompts_per_step: 4, samples_per_prompt: 4, sampling: {{max_new_tokens: 4}}}}
+        data: {{train: {train}}}
+        eval: {{every: 0, datasets: [{{name: h, path: {test}, limit: 4, sampling: {{max_new_tokens: 3}}}}]}}
+        algorithm: {{kl_coef: 0.5, use_kl_loss: {str(use_kl_loss).lower()}}}
+        trainer: {{optimizer: {{lr: 0.05}}}}
+        sft: {{data: {train}, steps: 3, lr: 0.01}}
+        """
+    )
+    with channel(addresses(fleet)["coordinator"]) as ch:
+        coordinator = coordinator_pb2_grpc.CoordinatorStub(ch)
+        job_pb = coordinator.CreateJob(coordinator_pb2.CreateJobRequest(config_yaml=job), timeout=30)
+        events = list(coordinator.WatchJob(coordinator_pb2.WatchJobRequest(job_id=job_pb.id), timeout=120))
+        final = coordinator.GetJob(coordinator_pb2.GetJobRequest(job_id=job_pb.id), timeout=10)
+    assert final.state == coordinator_pb2.JOB_STATE_SUCCEEDED, final.error
+    steps = [json.loads(e.data_json) for e in events if e.kind == "step"]
+    # the SFT warm-up moved the policy away from ref (the weights at the start): KL > 0 from step 1
+    if use_kl_loss:
+        assert all("kl_reward_mean" not in s and s["train/kl"] > 1e-4 for s in steps), steps
+    else:  # the trainer adds no KL term; each completion's reward pays for its distance from ref
+        assert all("train/kl" not in s and s["kl_reward_mean"] > 1e-4 for s in steps), steps
