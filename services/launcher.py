@@ -11,12 +11,16 @@ from __future__ import annotations
 import json
 import os
 import signal
+import shutil
 import subprocess
 import sys
 import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+
+SERVER_GRACE_S = 5.0  # `rlfleet serve --grace` default
 
 
 class ChildFailed(RuntimeError):
@@ -87,7 +91,10 @@ class LocalFleet:
                     f"last lines of {child.log_path}:\n{child.log_tail()}"
                 )
 
-    def stop(self, grace_s: float = 5.0) -> None:
+    def stop(self, grace_s: float = SERVER_GRACE_S + 10.0) -> None:
+        """SIGTERM every child, SIGKILL what is still alive after `grace_s`, remove the ready files.
+        The default grace outlasts the servers' own (`serve --grace`, 5 s) by the time a trainer
+        needs to remove its shared-memory segments after its last call ends."""
         for child in self.children:
             if child.process.poll() is None:
                 child.process.send_signal(signal.SIGTERM)
@@ -98,3 +105,4 @@ class LocalFleet:
             except subprocess.TimeoutExpired:
                 os.killpg(child.process.pid, signal.SIGKILL)
                 child.process.wait()
+        shutil.rmtree(self._tmp, ignore_errors=True)

@@ -11,6 +11,7 @@ import argparse
 import contextlib
 import json
 import queue
+import signal
 import sys
 import threading
 import time
@@ -75,8 +76,24 @@ class Progress:
         self.bar.close()
 
 
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM (a `kill`, a CI timeout, a container stop): handled as Ctrl-C is."""
+
+
+def _raise_terminated(signum, frame) -> None:
+    raise _Terminated()
+
+
 def run_local(job: JobConfig, job_path: Path, args: argparse.Namespace) -> int:
     started = time.time()
+    previous = signal.signal(signal.SIGTERM, _raise_terminated)  # stop the services, never orphan them
+    try:
+        return _run_local(job, job_path, args, started)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _run_local(job: JobConfig, job_path: Path, args: argparse.Namespace, started: float) -> int:
     output_dir = Path(args.output_dir or job.output_dir or Path("runs") / f"{job.name}-{time.strftime('%Y%m%d-%H%M%S')}")
     output_dir = output_dir.resolve()
     config = to_dict(job)
@@ -144,8 +161,9 @@ def run_local(job: JobConfig, job_path: Path, args: argparse.Namespace) -> int:
         if args.summary:
             Path(args.summary).write_text(json.dumps(summary, indent=2))
         return EXIT_OK
-    except KeyboardInterrupt:
-        print("\nrlfleet: interrupted; stopping services", file=sys.stderr)
+    except KeyboardInterrupt as e:
+        how = "terminated (SIGTERM)" if isinstance(e, _Terminated) else "interrupted"
+        print(f"\nrlfleet: {how}; stopping services", file=sys.stderr)
         return EXIT_INTERRUPTED
     except ChildFailed as e:
         print(f"\nrlfleet: a service process failed, stopping the others:\n{e}", file=sys.stderr)

@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 from pathlib import Path
@@ -132,8 +133,10 @@ def test_launcher_names_a_child_that_died(tmp_path):
         fleet.stop()
 
 
-def test_ctrl_c_stops_every_service_and_exits_130(tmp_path, tiny_model_dir, task_files):
+@pytest.mark.parametrize("sig, said", [(signal.SIGINT, "interrupted"), (signal.SIGTERM, "terminated (SIGTERM)")])
+def test_ctrl_c_or_sigterm_stops_every_service_and_exits_130(tmp_path, tiny_model_dir, task_files, sig, said):
     job = _job(tmp_path, tiny_model_dir, *task_files, num_rollout=10_000)
+    tmp_before = {p.name for p in Path(tempfile.gettempdir()).glob("rlfleet-*")}
     proc = _run([str(job), "--output-dir", str(tmp_path / "out")], tmp_path)
     deadline = time.monotonic() + 120
     while not (tmp_path / "out" / "metrics.jsonl").exists():
@@ -142,8 +145,10 @@ def test_ctrl_c_stops_every_service_and_exits_130(tmp_path, tiny_model_dir, task
         time.sleep(0.2)
     children = _children(proc.pid)
     assert len(children) == 3
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(sig)
     _, err = proc.communicate(timeout=60)
-    assert proc.returncode == 130 and "interrupted" in err
-    for pid in children:
+    assert proc.returncode == 130 and said in err
+    for pid in children:  # no service orphaned, the job does not carry on
         assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text()
+    leftover = {p.name for p in Path(tempfile.gettempdir()).glob("rlfleet-*")} - tmp_before
+    assert not leftover, leftover  # the run's ready-file folder is gone too
