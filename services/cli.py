@@ -68,11 +68,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
         except (DiscoveryError, ValueError) as e:
             log.error("cannot discover workers: %s", e)
             return EXIT_FAILED
-        server = build_coordinator(
-            make_fleet, host=args.host, port=args.port, token=token, db=args.db, runs_dir=Path(args.runs_dir),
-            http_port=args.http_port, max_running=args.max_running_jobs,
-            allowed_reward_modules=tuple(args.allow_reward_module),
-        )
+        from services.coordinator.store import StoreError
+
+        try:
+            server = build_coordinator(
+                make_fleet, host=args.host, port=args.port, token=token, db=args.db, runs_dir=Path(args.runs_dir),
+                http_port=args.http_port, max_running=args.max_running_jobs,
+                allowed_reward_modules=tuple(args.allow_reward_module),
+            )
+        except StoreError as e:
+            print(f"rlfleet: {e}", file=sys.stderr)
+            return EXIT_CONFIG
         manager = server.manager
     log.info("serving on %s:%d%s", args.host, server.port, " (bearer token required)" if token else "")
     _write_ready(args.ready_file, server.port, getattr(server, "http_port", None))

@@ -21,6 +21,7 @@ uvicorn in a thread beside the gRPC server, on a socket bound up front so port 0
 from __future__ import annotations
 
 import hmac
+import sqlite3
 import socket
 import threading
 import time
@@ -416,6 +417,12 @@ def _add_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(JobFinished, error(409))
     app.add_exception_handler(ConfigError, error(400))
     app.add_exception_handler(ValueError, error(400))
+
+    async def store_damaged(request: Request, exc: sqlite3.DatabaseError) -> JSONResponse:
+        # A damaged page found at run time: say so (503), and keep serving what still reads.
+        return JSONResponse({"detail": f"job store: {' '.join(str(exc).split())}"}, status_code=503)
+
+    app.add_exception_handler(sqlite3.DatabaseError, store_damaged)
 
     async def invalid_request(request: Request, exc: RequestValidationError) -> JSONResponse:
         # "body.request_id: String should have at most 128 characters"; never echoes the input.

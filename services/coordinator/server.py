@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import sqlite3
 import threading
 
 import grpc
@@ -26,6 +27,7 @@ _ERRORS = {
     RequestConflict: grpc.StatusCode.ALREADY_EXISTS,
     JobFinished: grpc.StatusCode.FAILED_PRECONDITION,
     ValueError: grpc.StatusCode.INVALID_ARGUMENT,
+    sqlite3.DatabaseError: grpc.StatusCode.UNAVAILABLE,  # a damaged job store page: say so, keep serving
 }
 STATES = {
     "pending": coordinator_pb2.JOB_STATE_PENDING,

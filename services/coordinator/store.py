@@ -12,12 +12,23 @@ the RL loop.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import sqlite3
 import threading
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
+
+log = logging.getLogger("rlfleet.coordinator")
+
+
+class StoreError(RuntimeError):
+    """The job store cannot be used (a damaged or foreign file)."""
+
+
+class BadRow(ValueError):
+    """A stored row that does not read as a job."""
 
 PENDING, RUNNING, SUCCEEDED, FAILED, CANCELLED = "pending", "running", "succeeded", "failed", "cancelled"
 STATES = (PENDING, RUNNING, SUCCEEDED, FAILED, CANCELLED)
@@ -308,6 +319,9 @@ class SqliteJobStore:
         if version > SCHEMA_VERSION:
             raise RuntimeError(f"job store {self.path} has schema version {version}; this rlfleet knows "
                                f"{SCHEMA_VERSION} (a newer rlfleet wrote it)")
+        problems = [row[0] for row in self._db.execute("PRAGMA quick_check(5)").fetchall()]
+        if problems != ["ok"]:
+            raise sqlite3.DatabaseError(f"integrity check failed ({'; '.join(problems)})")
         self._db.executescript(_SCHEMA)
         self._db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
 
@@ -366,11 +380,11 @@ class SqliteJobStore:
         sql = f"SELECT {_JOB_COLUMNS} FROM jobs {'WHERE ' + ' AND '.join(where) if where else ''} ORDER BY rowid DESC LIMIT ?"
         rows = self._read(sql, (*args, limit + 1))
         page = rows[:limit]
-        return [_job(r) for r in page], (page[-1][0] if len(rows) > limit else None)
+        return _jobs(page), (page[-1][0] if len(rows) > limit else None)
 
     def unfinished_jobs(self):
         rows = self._read(f"SELECT {_JOB_COLUMNS} FROM jobs WHERE state NOT IN (?, ?, ?) ORDER BY rowid", TERMINAL)
-        return [_job(r) for r in rows]
+        return _jobs(rows)
 
     # ---- events ----------------------------------------------------------------------------------
     def append_event(self, job_id, kind, time, step, data, updates=None):
@@ -444,15 +458,39 @@ class SqliteJobStore:
 def _job(row: tuple) -> JobRecord:
     (_, id_, name, state, config_yaml, base_dir, request_id, request_hash, step, num_steps, error, summary_json,
      output_dir, cancel_requested, created_at, updated_at) = row
+    if not isinstance(id_, str) or state not in STATES or not isinstance(config_yaml, str):
+        raise BadRow(f"job row {row[0]} ({id_!r}): malformed (state {state!r})")
+    try:
+        summary = json.loads(summary_json or "{}")
+    except ValueError:
+        summary = {"unreadable": "the stored summary is not valid JSON"}
     return JobRecord(
-        id=id_, name=name, state=state, config_yaml=config_yaml, base_dir=base_dir, request_id=request_id or "",
-        request_hash=request_hash, step=step, num_steps=num_steps, error=error, summary=json.loads(summary_json),
-        output_dir=output_dir, cancel_requested=bool(cancel_requested), created_at=created_at, updated_at=updated_at,
+        id=id_, name=str(name), state=state, config_yaml=config_yaml, base_dir=str(base_dir), request_id=request_id or "",
+        request_hash=str(request_hash or ""), step=int(step or 0), num_steps=int(num_steps or 0), error=str(error or ""),
+        summary=summary, output_dir=str(output_dir or ""), cancel_requested=bool(cancel_requested),
+        created_at=float(created_at or 0), updated_at=float(updated_at or 0),
     )
 
 
+def _jobs(rows: list[tuple]) -> list[JobRecord]:
+    """The rows that read as jobs; one malformed row is reported and skipped, never takes the rest down."""
+    jobs = []
+    for row in rows:
+        try:
+            jobs.append(_job(row))
+        except (BadRow, TypeError, ValueError) as e:
+            log.error("job store: skipping a row: %s", e)
+    return jobs
+
+
 def open_store(db: str | None) -> JobStore:
-    """`--db PATH`: SQLite at PATH; None or "memory" keeps jobs in memory only."""
+    """`--db PATH`: SQLite at PATH; None or "memory" keeps jobs in memory only. A file that is not
+    a sound SQLite database is StoreError with one line saying what to do."""
     if db is None or db == "memory":
         return MemoryJobStore()
-    return SqliteJobStore(db)
+    try:
+        return SqliteJobStore(db)
+    except sqlite3.DatabaseError as e:
+        reason = " ".join(str(e).split())  # one line
+        raise StoreError(f"job store {db}: {reason}: the file is damaged; move it aside to start with an empty store "
+                         "(or restore a backup)") from e

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
+from dataclasses import replace
 
 import pytest
 
@@ -191,3 +192,76 @@ def test_restart_fails_running_jobs_and_requeues_pending_ones(tmp_path, tiny_mod
     assert "coordinator restarted; the job is still queued" in messages
     before.close()  # let the stand-in for the killed process end quietly
     fleet.release.set()
+
+
+@pytest.mark.parametrize("damage", ["garbage", "truncated", "bad-page"])
+def test_a_damaged_store_file_stops_serve_with_one_clear_line(tmp_path, damage):
+    import subprocess
+    import sys
+
+    from services.coordinator.store import SqliteJobStore
+
+    db = tmp_path / "jobs.db"
+    store = SqliteJobStore(db)
+    for i in range(200):  # a few pages of rows
+        store.insert_job(replace(_record(f"job{i:04d}"), config_yaml="x" * 500), ("state", {}))
+    store.close()
+    data = bytearray(db.read_bytes())
+    if damage == "garbage":
+        data[:100] = b"\x07" * 100  # the header
+    elif damage == "truncated":
+        data = data[: len(data) // 3]
+    else:
+        page = 4096
+        data[3 * page : 3 * page + 200] = b"\xff" * 200  # one interior page
+    db.write_bytes(bytes(data))
+    for suffix in ("-wal", "-shm"):
+        (tmp_path / f"jobs.db{suffix}").unlink(missing_ok=True)
+    result = subprocess.run([sys.executable, "-m", "services.cli", "serve", "coordinator", "--db", str(db)],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2, result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert lines[-1].startswith(f"rlfleet: job store {db}:") and "move it aside" in lines[-1]
+    assert "Traceback" not in result.stderr
+
+
+def test_one_malformed_row_is_skipped_and_the_rest_load(tmp_path):
+    import sqlite3
+
+    from services.coordinator.store import SqliteJobStore
+
+    db = tmp_path / "jobs.db"
+    store = SqliteJobStore(db)
+    for name in ("a", "b", "c"):
+        store.insert_job(_record(name), ("state", {}))
+    store.close()
+    with sqlite3.connect(db) as conn:
+        conn.execute("UPDATE jobs SET state = 'exploded', summary_json = '{not json' WHERE id = 'b'")
+        conn.execute("UPDATE jobs SET summary_json = '{not json' WHERE id = 'c'")
+    store = SqliteJobStore(db)
+    jobs, _ = store.list_jobs(None, 10, None)
+    assert sorted(j.id for j in jobs) == ["a", "c"]  # b is skipped; c's unreadable summary is marked, not fatal
+    assert next(j for j in jobs if j.id == "c").summary == {"unreadable": "the stored summary is not valid JSON"}
+    assert [j.id for j in store.unfinished_jobs()] == ["a", "c"]
+    store.close()
+
+
+def test_a_page_damaged_while_serving_is_a_503_not_a_500(tmp_path):
+    import sqlite3
+
+    from fastapi.testclient import TestClient
+
+    from services.coordinator.rest import create_app
+
+    manager = JobManager(lambda job: None, runs_dir=tmp_path, store=SqliteJobStore(tmp_path / "jobs.db"))
+    client = TestClient(create_app(manager))
+    assert client.get("/v1/jobs").status_code == 200
+
+    def damaged(*args, **kwargs):
+        raise sqlite3.DatabaseError("database disk image is malformed")
+
+    manager.store.list_jobs = damaged
+    reply = client.get("/v1/jobs")
+    assert reply.status_code == 503 and reply.json()["detail"] == "job store: database disk image is malformed"
+    assert client.get("/healthz").status_code == 200  # the service itself answers on
+    manager.close()
