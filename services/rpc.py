@@ -141,6 +141,26 @@ def timeout_seconds(value: float, default: float, field: str = "timeout_s") -> f
     return value
 
 
+class Admission:
+    """At most `limit` calls of a kind at once; the next is refused at once (RESOURCE_EXHAUSTED)
+    instead of taking a pool thread to wait in. Calls that wait on peers or on each other could
+    otherwise fill the pool, and health checks (served by the same threads) would starve."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self._slots = threading.BoundedSemaphore(limit)
+
+    @contextlib.contextmanager
+    def enter(self, context: grpc.ServicerContext, method: str) -> Iterator[None]:
+        if not self._slots.acquire(blocking=False):
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                          f"{method}: {self.limit} such call(s) already in progress here; retry later")
+        try:
+            yield
+        finally:
+            self._slots.release()
+
+
 def is_loopback(host: str) -> bool:
     """Whether `host` (a name or an address) binds to loopback only."""
     import ipaddress
@@ -159,7 +179,7 @@ def create_server(
     *,
     address: str = "127.0.0.1:0",
     token: str | None = None,
-    max_workers: int = 16,
+    max_workers: int = 32,
 ) -> Server:
     """Build, bind and start a server; `address` may use port 0 (the bound port is returned).
     Without a token it binds to loopback only: anyone who reaches the port could drive it."""

@@ -83,6 +83,9 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
         self._groups: dict[str, WeightGroup] = {}
         self._staging: receiver.Staging | None = None
         self._shm = shm.ShmReader()
+        # Calls that wait (on the engine, on peers) are bounded, so pool threads stay for health.
+        self._waiting = rpc.Admission(8)
+        self._joining = rpc.Admission(1)  # a group join blocks until its peers come, or its timeout
 
     def _require(self, context) -> GenerationEngine:
         if self._engine is None:
@@ -130,7 +133,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
         return self._status()
 
     def Generate(self, request, context):
-        with rpc.abort_on(context, _ERRORS):
+        with self._waiting.enter(context, "Generate"), rpc.abort_on(context, _ERRORS):
             engine = self._require(context)
             if request.prompts and request.input_ids:
                 raise ValueError("prompts, input_ids: give one or the other, not both")
@@ -161,7 +164,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
             )
 
     def UpdateWeights(self, request, context):
-        with self._update_lock, rpc.abort_on(context, _ERRORS):
+        with self._waiting.enter(context, "UpdateWeights"), self._update_lock, rpc.abort_on(context, _ERRORS):
             engine = self._require(context)
             started = time.perf_counter()
             manifest = engine.read_manifest(request.manifest)
@@ -229,7 +232,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
 
     def InitWeightUpdateGroup(self, request, context):
         """Join a broadcast group as rank `rank_offset`; blocks until every rank has joined."""
-        with rpc.abort_on(context, _ERRORS):
+        with self._joining.enter(context, "InitWeightUpdateGroup"), rpc.abort_on(context, _ERRORS):
             engine = self._require(context)
             name = request.group_name or "weight_update_group"
             old = self._groups.pop(name, None)

@@ -19,6 +19,7 @@ from services.trainer.batch import Sample
 from services.trainer.settings import LossSettings, OptimizerSettings, SchedulerSettings, TrainerSettings
 from services.trainer.torch_backend import TorchTrainer, TrainerStateError
 from services.trainer.weight_push import WeightPusher
+from services.trainer.weight_source import StreamCutOff
 from services.weights import capabilities
 from services.weights.grpc_stream import DEFAULT_CHUNK_BYTES, iter_chunks
 from services.weights.errors import WeightSyncError
@@ -106,6 +107,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         self._trainer: TorchTrainer | None = None
         self._pusher: WeightPusher | None = None
         self._manifests = ManifestEncoder()  # under self._lock
+        self._streams = rpc.Admission(16)  # GetWeights streams at once (each holds a pool thread)
 
     @contextlib.contextmanager
     def _mutating(self):
@@ -200,13 +202,18 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
             return trainer_pb2.GetWeightManifestResponse(manifest=self._manifests.encode(manifest))
 
     def GetWeights(self, request, context):
+        with self._streams.enter(context, "GetWeights"):
+            yield from self._get_weights(request, context)
+
+    def _get_weights(self, request, context):
         if not 0 <= request.chunk_bytes <= MAX_CHUNK_BYTES:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                           f"chunk_bytes: must be in [0, {MAX_CHUNK_BYTES}] (0: {DEFAULT_CHUNK_BYTES}), got {request.chunk_bytes}")
         with self._lock:
             self._require(context)
             source = self._pusher.source
-        with source.reading(request.version) as snap:
+        with source.reading(request.version) as held:
+            snap = held.snap
             if snap is None:
                 context.abort(
                     grpc.StatusCode.FAILED_PRECONDITION,
@@ -216,13 +223,17 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
             bad = [b for b in request.buckets if not 0 <= b < num_buckets]
             if bad:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"buckets: no bucket {bad[0]} (manifest has {num_buckets})")
-            yield from iter_chunks(
-                snap.manifest,
-                lambda i: snap.buffers[i],
-                list(request.buckets) or None,
-                chunk_bytes=request.chunk_bytes or DEFAULT_CHUNK_BYTES,
-                encoded=True,  # registered to send bytes as they are: see build_server
-            )
+            try:
+                yield from iter_chunks(
+                    snap.manifest,
+                    lambda i: snap.buffers[i],
+                    list(request.buckets) or None,
+                    chunk_bytes=request.chunk_bytes or DEFAULT_CHUNK_BYTES,
+                    encoded=True,  # registered to send bytes as they are: see build_server
+                    guard=held.copying,
+                )
+            except StreamCutOff as e:
+                context.abort(grpc.StatusCode.ABORTED, f"version: {e} (version {request.version}); pull the new version")
 
     def InitWeightUpdateGroup(self, request, context):
         with self._lock, rpc.abort_on(context, _ERRORS):

@@ -58,10 +58,15 @@ class WeightGroup:
         self.name, self.rank, self.world_size, self.backend = group_name, rank, world_size, backend
         self.device = device
         self.timeout = datetime.timedelta(seconds=timeout_s)
-        self._store = dist.TCPStore(
-            master_address, master_port, world_size, is_master=rank == 0, timeout=self.timeout,
-            wait_for_workers=False,
-        )
+        try:
+            self._store = dist.TCPStore(
+                master_address, master_port, world_size, is_master=rank == 0, timeout=self.timeout,
+                wait_for_workers=False,
+            )
+        except (RuntimeError, OSError) as e:  # torch's DistError types are RuntimeErrors
+            where = "listen on" if rank == 0 else "reach rank 0 at"
+            raise WeightSyncError(f"group {group_name!r}: rank {rank} could not {where} {master_address}:{master_port} "
+                                  f"within {timeout_s:g} s: {' '.join(str(e).split())[:300]}") from e
         self.port = self._store.port
         self._pg = None
         self._ready = threading.Event()

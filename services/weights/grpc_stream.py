@@ -13,7 +13,8 @@ the messages.
 from __future__ import annotations
 
 import bisect
-from typing import Callable, Iterable, Iterator, Optional, Sequence
+import contextlib
+from typing import Callable, ContextManager, Iterable, Iterator, Optional, Sequence
 
 import grpc
 import torch
@@ -40,12 +41,14 @@ def iter_chunks(
     buckets: Optional[Sequence[int]] = None,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     encoded: bool = False,
+    guard: Callable[[], ContextManager] = contextlib.nullcontext,
 ) -> Iterator[weights_pb2.WeightChunk | bytes]:
     """Yield the chunks of `buckets` (default: all, in order). `bucket_source(i)` returns bucket
     i as a flat uint8 CPU tensor; it is called lazily, once per bucket, just before that
     bucket's first chunk, so a source staging from the GPU needs only one bucket on the host.
     With `encoded` each chunk comes already serialized (`encode_chunk`), for a server whose
-    GetWeights handler sends bytes as they are."""
+    GetWeights handler sends bytes as they are. Each chunk is copied out of its bucket inside
+    `guard()`, which may refuse (raise) once the bucket's memory is no longer the stream's."""
     if chunk_bytes <= 0:
         raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
     indices = list(range(len(manifest.buckets)) if buckets is None else buckets)
@@ -69,10 +72,12 @@ def iter_chunks(
         data = host_bytes(flat.detach().contiguous())  # [>= nbytes], shares memory
         for offset in range(0, nbytes, chunk_bytes):
             end = min(offset + chunk_bytes, nbytes)
-            if encoded:
-                yield encode_chunk(index, offset, data[offset:end])
-            else:
-                yield weights_pb2.WeightChunk(bucket=index, offset=offset, data=bytes(data[offset:end]))
+            with guard():
+                if encoded:
+                    chunk = encode_chunk(index, offset, data[offset:end])
+                else:
+                    chunk = weights_pb2.WeightChunk(bucket=index, offset=offset, data=bytes(data[offset:end]))
+            yield chunk
 
 
 # ---- WeightChunk wire format by hand: the bytes are copied once on each side ----------------------
