@@ -95,3 +95,13 @@ def test_calls_waiting_on_dead_peers_leave_room_for_health_and_status(tmp_path, 
             assert grpc.StatusCode.UNKNOWN not in outcomes
     finally:
         server.stop(0)
+
+
+def test_many_concurrent_generate_clients_get_answers_or_a_retry_signal_and_memory_stays_bounded(tmp_path, tiny_model_dir):
+    from bench.load import run
+
+    result = run(tiny_model_dir, clients=24, seconds=4.0, log_dir=tmp_path)
+    print(result)
+    assert result["errors"] == 0, result["first_errors"]  # every refusal is RESOURCE_EXHAUSTED, every answer whole
+    assert result["calls"] > 10
+    assert result["rss_peak_mb"] - result["rss_start_mb"] < 150
