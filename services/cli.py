@@ -45,9 +45,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print("rlfleet: --job FILE [--exit-on-finish] is for `serve coordinator`", file=sys.stderr)
         return EXIT_CONFIG
     token = _read_token(args.token_file)
-    if not token and not rpc.is_loopback(args.host):
+    try:
+        tls = _tls(args)
+    except ValueError as e:
+        print(f"rlfleet: {e}", file=sys.stderr)
+        return EXIT_CONFIG
+    if not token and not (tls is not None and tls.mutual) and not rpc.is_loopback(args.host):
         print(f"rlfleet: refusing to listen on {args.host} without authentication: give --token-file "
-              "(or RLFLEET_TOKEN), or bind to 127.0.0.1", file=sys.stderr)
+              "(or RLFLEET_TOKEN) or --tls-client-auth, or bind to 127.0.0.1", file=sys.stderr)
         return EXIT_CONFIG
     discovery = None  # the coordinator's, closed on the way out
     if args.role == "trainer":
@@ -191,6 +196,18 @@ def cmd_run(args: argparse.Namespace) -> int:
     return run_local(job, Path(args.job), args)
 
 
+def _tls(args: argparse.Namespace):
+    """The serve command's TLS settings (None: plaintext), exported for the channels it opens."""
+    from services.tls import TlsConfig
+
+    if not (args.tls_cert or args.tls_ca):
+        return TlsConfig.from_env()
+    tls = TlsConfig.from_files(cert=args.tls_cert, key=args.tls_key, ca=args.tls_ca, client_auth=args.tls_client_auth,
+                               server_name=args.tls_server_name)
+    tls.export(args.tls_cert, args.tls_key, args.tls_ca)
+    return tls
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rlfleet", description="RL post-training for LLMs as gRPC services")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -203,6 +220,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--ready-file", help="write {port, pid} here once serving")
     serve.add_argument("--grace", type=float, default=5.0, help="seconds in-flight calls get on SIGTERM")
     serve.add_argument("--log-level", default="INFO")
+    serve.add_argument("--tls-cert", help="PEM certificate chain this server (and its clients) present; with --tls-key")
+    serve.add_argument("--tls-key", help="PEM private key of --tls-cert")
+    serve.add_argument("--tls-ca", help="PEM CA bundle peers' certificates are checked against")
+    serve.add_argument("--tls-client-auth", action="store_true",
+                       help="require client certificates signed by --tls-ca (mutual TLS)")
+    serve.add_argument("--tls-server-name", default="",
+                       help="the name clients expect in servers' certificates (pods are reached by address)")
     serve.add_argument("--checkpoint-root", default=os.environ.get("RLFLEET_CHECKPOINT_ROOT", "."),
                        help="trainer: checkpoints are saved and loaded under this folder only "
                             "(default: RLFLEET_CHECKPOINT_ROOT, else the working directory)")

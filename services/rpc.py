@@ -22,6 +22,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from services.tls import TlsConfig
+
 MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 DEFAULT_DEADLINE_S = 600.0
 _OPEN_METHOD_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
@@ -180,11 +182,16 @@ def create_server(
     address: str = "127.0.0.1:0",
     token: str | None = None,
     max_workers: int = 32,
+    tls: TlsConfig | None = None,
 ) -> Server:
     """Build, bind and start a server; `address` may use port 0 (the bound port is returned).
-    Without a token it binds to loopback only: anyone who reaches the port could drive it."""
-    if not token and not is_loopback(address.rsplit(":", 1)[0]):
-        raise ValueError(f"address: refusing to serve {address} without a token (bind to 127.0.0.1, or set one)")
+    It serves TLS when `tls` (or the environment, see services.tls) has a certificate. Without a
+    token or mutual TLS it binds to loopback only: anyone who reaches the port could drive it."""
+    tls = tls if tls is not None else TlsConfig.from_env()
+    mutual = tls is not None and tls.mutual
+    if not token and not mutual and not is_loopback(address.rsplit(":", 1)[0]):
+        raise ValueError(f"address: refusing to serve {address} without a token or mutual TLS (bind to 127.0.0.1, "
+                         "or set one)")
     interceptors = [_BearerAuth(token)] if token else []
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers),
@@ -198,7 +205,10 @@ def create_server(
         (*service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
         server,
     )
-    port = server.add_insecure_port(address)
+    if tls is not None and tls.serves:
+        port = server.add_secure_port(address, tls.server_credentials())
+    else:
+        port = server.add_insecure_port(address)
     if port == 0:
         raise OSError(f"could not bind gRPC server to {address}")
     server.start()
@@ -222,9 +232,14 @@ class _TokenMetadata(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInt
         return continuation(self._augment(details), request)
 
 
-def open_channel(address: str, token: str | None = None) -> grpc.Channel:
-    """An insecure channel to `address` that adds the bearer token to every call."""
-    channel = grpc.insecure_channel(address, options=_CHANNEL_OPTIONS)
+def open_channel(address: str, token: str | None = None, tls: TlsConfig | None = None) -> grpc.Channel:
+    """A channel to `address` that adds the bearer token to every call: over TLS when the process
+    has TLS settings (`tls`, or the environment's: see services.tls), in plaintext otherwise."""
+    tls = tls if tls is not None else TlsConfig.from_env()
+    if tls is not None and tls.ca is not None:
+        channel = grpc.secure_channel(address, tls.channel_credentials(), options=_CHANNEL_OPTIONS + tls.channel_options())
+    else:
+        channel = grpc.insecure_channel(address, options=_CHANNEL_OPTIONS)
     if token:
         channel = grpc.intercept_channel(channel, _TokenMetadata(token))
     return channel

@@ -483,15 +483,25 @@ def _document_400_not_422(app: FastAPI) -> None:
 class RestServer:
     """uvicorn on its own thread and event loop; `port` is the bound port (port 0 picks one)."""
 
-    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0, start_timeout_s: float = 30.0):
+    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0, start_timeout_s: float = 30.0,
+                 tls: dict[str, str] | None = None):
+        """`tls`: certfile, keyfile, and optionally ca and client_auth ("1": clients must present a
+        certificate signed by ca) for HTTPS."""
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         sock = socket.socket(family, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))
         self.port: int = sock.getsockname()[1]
         self.host = host
+        https = {}
+        if tls:
+            import ssl
+
+            https = {"ssl_certfile": tls["certfile"], "ssl_keyfile": tls["keyfile"],
+                     "ssl_ca_certs": tls.get("ca") or None,
+                     "ssl_cert_reqs": ssl.CERT_REQUIRED if tls.get("client_auth") == "1" else ssl.CERT_NONE}
         config = uvicorn.Config(app, log_config=None, access_log=False, lifespan="off",
-                                timeout_graceful_shutdown=5, server_header=False)
+                                timeout_graceful_shutdown=5, server_header=False, **https)
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]}, name="rest", daemon=True)
         self._thread.start()

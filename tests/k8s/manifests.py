@@ -106,9 +106,11 @@ def check_probes(objects: list[dict]) -> None:
         if component == "coordinator" and workload["kind"] == "Deployment":
             assert ports["http"] == 8080
         kinds = ["startupProbe", "livenessProbe"] + (["readinessProbe"] if workload["kind"] != "Job" else [])
+        tls = any(a.startswith("--tls-cert") for a in main["args"])  # the kubelet's gRPC probes speak plaintext
         for kind in kinds:
             probe = main[kind]
-            assert probe["grpc"] == {"port": 50051, "service": SERVICE_NAMES[component]}, (workload["metadata"]["name"], kind)
+            expected = {"tcpSocket": {"port": 50051}} if tls else {"grpc": {"port": 50051, "service": SERVICE_NAMES[component]}}
+            assert {k: probe[k] for k in expected if k in probe} == expected, (workload["metadata"]["name"], kind)
         assert main["startupProbe"]["periodSeconds"] * main["startupProbe"]["failureThreshold"] >= 300
 
 

@@ -90,8 +90,9 @@ def test_chart_metadata(chart):
 @pytest.mark.parametrize(
     "vals",
     [values(mode="train"), values(mode="eval"), values(mode="eval", model={**BASE["model"], "format": "rlfleet"}),
-     {}, values(mode="train", gpusPerPod={"trainer": 1, "rollout": 2}, persistence={"enabled": False})],
-    ids=["train", "eval-hf", "eval-rlfleet", "defaults", "train-gpu-no-pvc"],
+     {}, values(mode="train", gpusPerPod={"trainer": 1, "rollout": 2}, persistence={"enabled": False}),
+     values(mode="train", tls={"existingSecret": "rlfleet-tls", "clientAuth": True, "serverName": "rlfleet"})],
+    ids=["train", "eval-hf", "eval-rlfleet", "defaults", "train-gpu-no-pvc", "tls"],
 )
 def test_every_rendered_manifest_validates_strictly(chart, vals):
     objects = render(chart, vals)
@@ -153,6 +154,28 @@ def test_the_token_comes_from_a_secret_and_never_from_values(chart):
 
     with pytest.raises(helm.HelmError, match="token.existingSecret: required"):  # no pod listens unauthenticated
         render(chart, values(mode="train", token={"existingSecret": "", "key": "token"}))
+
+
+def test_tls_comes_from_a_secret_for_every_server_and_probes_fall_back_to_tcp(chart):
+    plain = render(chart, values(mode="train"))
+    for workload, _, spec in m.pod_specs(plain):
+        assert not any(a.startswith("--tls") for a in m.container(workload)["args"])
+        assert "grpc" in m.container(workload)["livenessProbe"]
+    secured = render(chart, values(mode="train", tls={"existingSecret": "rlfleet-tls", "clientAuth": True,
+                                                      "serverName": "rlfleet"}))
+    workloads = list(m.pod_specs(secured))
+    assert len(workloads) >= 3
+    for workload, _, spec in workloads:
+        main = m.container(workload)
+        assert {"--tls-cert=/var/run/secrets/rlfleet-tls/tls.crt", "--tls-key=/var/run/secrets/rlfleet-tls/tls.key",
+                "--tls-ca=/var/run/secrets/rlfleet-tls/ca.crt", "--tls-client-auth",
+                "--tls-server-name=rlfleet"} <= set(main["args"]), workload["metadata"]["name"]
+        volumes = {v["name"]: v for v in spec["volumes"]}
+        assert volumes["tls"]["secret"]["secretName"] == "rlfleet-tls"
+        assert any(mnt["name"] == "tls" and mnt["readOnly"] for mnt in main["volumeMounts"])
+        for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+            if probe in main:  # the kubelet's gRPC probes speak plaintext only
+                assert main[probe]["tcpSocket"] == {"port": 50051} and "grpc" not in main[probe]
 
 
 def test_gpus_go_to_trainers_and_rollouts_only(chart):

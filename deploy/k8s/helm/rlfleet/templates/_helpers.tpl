@@ -161,27 +161,34 @@ seccompProfile:
   type: RuntimeDefault
 {{- end }}
 
-{{/* Native gRPC probes on grpc.health.v1. Call with (dict "root" $ "service" "rlfleet.v1.Trainer" "readiness" true). */}}
+{{/* Native gRPC probes on grpc.health.v1, or, with TLS on (the kubelet's gRPC probes speak
+plaintext only), TCP probes of the same port: readiness then means listening, not SERVING.
+Call with (dict "root" $ "service" "rlfleet.v1.Trainer" "readiness" true). */}}
+{{- define "rlfleet.probe" -}}
+{{- if .root.Values.tls.existingSecret }}
+tcpSocket:
+  port: 50051
+{{- else }}
+grpc:
+  port: 50051
+  service: {{ .service }}
+{{- end }}
+{{- end }}
+
 {{- define "rlfleet.probes" -}}
 startupProbe:
-  grpc:
-    port: 50051
-    service: {{ .service }}
+  {{- include "rlfleet.probe" . | nindent 2 }}
   periodSeconds: {{ .root.Values.startupProbe.periodSeconds }}
   failureThreshold: {{ .root.Values.startupProbe.failureThreshold }}
   timeoutSeconds: 5
 livenessProbe:
-  grpc:
-    port: 50051
-    service: {{ .service }}
+  {{- include "rlfleet.probe" . | nindent 2 }}
   periodSeconds: 20
   timeoutSeconds: 10
   failureThreshold: 6
 {{- if .readiness }}
 readinessProbe:
-  grpc:
-    port: 50051
-    service: {{ .service }}
+  {{- include "rlfleet.probe" . | nindent 2 }}
   periodSeconds: 5
   timeoutSeconds: 5
   failureThreshold: 3
@@ -210,6 +217,20 @@ readinessProbe:
 {{- end }}
 
 {{/* Token arguments: the Secret is mounted as a file, never passed as a value. */}}
+{{/* TLS for the server and the channels it opens (tls.existingSecret: a Secret with tls.crt,
+tls.key and ca.crt, e.g. made by cert-manager). */}}
+{{- define "rlfleet.tlsArgs" -}}
+{{- if .Values.tls.existingSecret }}
+- --tls-cert=/var/run/secrets/rlfleet-tls/tls.crt
+- --tls-key=/var/run/secrets/rlfleet-tls/tls.key
+- --tls-ca=/var/run/secrets/rlfleet-tls/ca.crt
+- --tls-server-name={{ .Values.tls.serverName }}
+{{- if .Values.tls.clientAuth }}
+- --tls-client-auth
+{{- end }}
+{{- end }}
+{{- end }}
+
 {{- define "rlfleet.tokenArgs" -}}
 {{- if not .Values.token.existingSecret }}
 {{- fail "token.existingSecret: required: pods listen beyond loopback, and rlfleet serves nothing there without a token (kubectl create secret generic rlfleet-token --from-literal=token=\"$(openssl rand -hex 32)\")" }}
@@ -229,6 +250,11 @@ readinessProbe:
 {{- if .Values.token.existingSecret }}
 - name: token
   mountPath: /var/run/secrets/rlfleet
+  readOnly: true
+{{- end }}
+{{- if .Values.tls.existingSecret }}
+- name: tls
+  mountPath: /var/run/secrets/rlfleet-tls
   readOnly: true
 {{- end }}
 {{- with .Values.extraVolumeMounts }}
@@ -258,6 +284,12 @@ readinessProbe:
     items:
       - key: {{ .Values.token.key }}
         path: token
+{{- end }}
+{{- if .Values.tls.existingSecret }}
+- name: tls
+  secret:
+    secretName: {{ .Values.tls.existingSecret }}
+    defaultMode: 0440
 {{- end }}
 {{- with .Values.extraVolumes }}
 {{ toYaml . }}
@@ -315,5 +347,6 @@ affinity:
 {{- range .Values.allowRewardModules }}
 - --allow-reward-module={{ . }}
 {{- end }}
+{{- include "rlfleet.tlsArgs" . }}
 {{- end }}
 

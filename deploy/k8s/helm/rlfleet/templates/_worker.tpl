@@ -64,6 +64,7 @@ spec:
             - --port=50051
             - --log-level={{ $root.Values.logLevel }}
             {{- include "rlfleet.tokenArgs" $root | nindent 12 }}
+            {{- include "rlfleet.tlsArgs" $root | nindent 12 }}
           ports:
             - name: grpc
               containerPort: 50051
