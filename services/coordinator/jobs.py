@@ -7,10 +7,11 @@ At most `max_running` jobs run at once (one by default: a static fleet of worker
 at a time); the rest wait `pending` in submission order. Files a person wants to look at (metrics
 JSON lines, the summary, the reward-curve PNG) are still written to the job's output directory.
 
-Restart policy: a job that was `running` when the coordinator died is marked `failed` with
-RESTART_REASON (resuming would need the trainer's weights, optimizer and sampler state and the
-step restored from a checkpoint, which the loop cannot do yet); a `pending` job never started,
-so it is queued again and runs.
+Restart policy: a job that was `running` when the coordinator died or stopped resumes from its
+last checkpoint when it has one (the trainer loads weights, optimizer and scheduler; the loop
+replays the data order and sampling seeds up to that step, so the steps after it come out as
+they would have); without a checkpoint it is marked `failed` with RESTART_REASON. A `pending`
+job never started, so it is queued again and runs.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ import yaml
 
 from services import rpc
 from services.coordinator.config import ConfigError, JobConfig, parse_job, to_dict
-from services.coordinator.loop import JobCancelled, RLLoop
+from services.coordinator.loop import JobCancelled, Resume, RLLoop
 from services.coordinator.metrics import MetricsWriter, plot_rewards
 from services.coordinator.rewards import RewardError, check_reward_modules
 from services.coordinator.store import (
@@ -45,6 +46,7 @@ from services.coordinator.store import (
     STATES,
     SUCCEEDED,
     TERMINAL,
+    Checkpoint,
     DuplicateRequestId,
     Event,
     JobRecord,
@@ -87,6 +89,7 @@ class _Live:
     config: JobConfig
     cancel: threading.Event = field(default_factory=threading.Event)
     done: bool = False  # a terminal state is stored; later events from the loop are dropped
+    resume: Checkpoint | None = None  # run on from this checkpoint instead of from the start
 
 
 class JobManager:
@@ -255,11 +258,17 @@ class JobManager:
             return plot_rewards(tmp, title=f"{job.name} ({job.id}): reward").read_bytes()
 
     def close(self, reason: str = SHUTDOWN_REASON) -> None:
-        """Stop accepting work; running jobs are told to stop and marked failed, queued ones stay pending."""
+        """Stop accepting work; queued jobs stay pending; running ones are told to stop, and stay
+        `running` to resume at the next start when they have a checkpoint, else are marked failed."""
         with self._cond:
             self._closed = True
             for job_id in list(self._running):
-                self._live[job_id].cancel.set()
+                live = self._live[job_id]
+                live.cancel.set()
+                if self.store.checkpoints(job_id):
+                    live.done = True  # the loop's last events are dropped; the stored state stays running
+                    log.warning("job %s: coordinator stopping; it resumes from its last checkpoint at the next start", job_id)
+                    continue
                 self._finish(job_id, FAILED, reason)
                 log.warning("job %s: %s", job_id, reason)
 
@@ -295,6 +304,11 @@ class JobManager:
             output_dir.mkdir(parents=True, exist_ok=True)
             writer = MetricsWriter(output_dir)
             (output_dir / "job.yaml").write_text(record.config_yaml)
+            resume = None
+            if live.resume is not None:  # the steps after the checkpoint run again: their old lines go
+                writer.drop_after(live.resume.step)
+                before = {e.dataset: e.score for e in self.store.eval_results(record.id) if e.step == 0}
+                resume = Resume(step=live.resume.step, path=live.resume.path, evals_before=before)
 
             def emit(kind: str, step: int, data: dict) -> None:
                 updates = None
@@ -306,7 +320,7 @@ class JobManager:
                 with self._cond:
                     self._append(record.id, kind, step, data, updates)
 
-            loop = RLLoop(live.config, self._make_fleet(live.config), emit, live.cancel)
+            loop = RLLoop(live.config, self._make_fleet(live.config), emit, live.cancel, resume=resume)
             summary = loop.run()
             summary["output_dir"] = str(output_dir)
             summary["plot"] = str(plot_rewards(output_dir))
@@ -352,7 +366,8 @@ class JobManager:
         """Apply the restart policy to jobs a previous coordinator left unfinished."""
         with self._cond:
             for job in self.store.unfinished_jobs():
-                if job.state == RUNNING:
+                checkpoints = self.store.checkpoints(job.id) if job.state == RUNNING else []
+                if job.state == RUNNING and not checkpoints:
                     self._finish(job.id, FAILED, RESTART_REASON)
                     log.warning("job %s (%s): %s", job.id, job.name, RESTART_REASON)
                     continue
@@ -361,10 +376,16 @@ class JobManager:
                 except ConfigError as e:
                     self._finish(job.id, FAILED, f"coordinator restarted and the job's config no longer loads: {e}")
                     continue
-                self._live[job.id] = _Live(config)
+                resume = checkpoints[-1] if checkpoints else None
+                self._live[job.id] = _Live(config, resume=resume)
                 self._queue.append(job.id)
-                self._append(job.id, "log", 0, {"message": "coordinator restarted; the job is still queued"})
-                log.info("job %s (%s): queued again after a restart", job.id, job.name)
+                if resume is not None:
+                    message = f"coordinator restarted; the job resumes from its checkpoint of step {resume.step}"
+                    self._append(job.id, "log", resume.step, {"message": message}, {"state": PENDING})
+                else:
+                    message = "coordinator restarted; the job is still queued"
+                    self._append(job.id, "log", 0, {"message": message})
+                log.info("job %s (%s): %s", job.id, job.name, message)
             self._dispatch()
 
     def _same_request(self, existing: JobRecord, request_hash: str) -> JobRecord:

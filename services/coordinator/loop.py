@@ -35,6 +35,16 @@ class JobCancelled(RuntimeError):
     pass
 
 
+@dataclass(frozen=True)
+class Resume:
+    """Run a job on from its checkpoint of `step` (at `path`): the trainers load it, the data order
+    and sampling seeds are replayed up to it, and the steps after it run as they would have."""
+
+    step: int
+    path: str
+    evals_before: dict[str, float | None]
+
+
 class WeightSyncFailed(RuntimeError):
     pass
 
@@ -105,8 +115,10 @@ def sampling_params(cfg, *, n: int = 1, seed: int | None = None) -> rollout_pb2.
 
 
 class RLLoop:
-    def __init__(self, job: JobConfig, fleet: Fleet, emit: Emit, cancelled: threading.Event | None = None):
+    def __init__(self, job: JobConfig, fleet: Fleet, emit: Emit, cancelled: threading.Event | None = None,
+                 resume: Resume | None = None):
         self.job = job
+        self.resume = resume
         self.fleet = fleet
         self.emit = emit
         self.cancelled = cancelled or threading.Event()
@@ -364,17 +376,24 @@ class RLLoop:
         self.setup()
         if job.eval_only:
             return self._evaluate_checkpoint(started)
-        if job.sft is not None:
-            self.sft_stage()
-        before = self.evaluate(step=0)
-        self.emit("log", 0, {"message": f"eval before training: {before}"})
+        first = 1
+        if self.resume is not None:
+            before, first = self._resume(), self.resume.step + 1
+        else:
+            if job.sft is not None:
+                self.sft_stage()
+            before = self.evaluate(step=0)
+            self.emit("log", 0, {"message": f"eval before training: {before}"})
         scores = dict(before)
-        step = 0
+        step = first - 1
         if job.num_rollout > 0:
             examples = load_jsonl(job.data.train, job.data.prompt_key, job.data.answer_key)
             self._reward = build_reward(job.reward)
             sampler = PromptSampler(examples, job.rollout.prompts_per_step, seed=job.seed, shuffle=job.data.shuffle)
-            for step in range(1, job.num_rollout + 1):
+            for _ in range(1, first):  # the batches and seeds the steps up to the checkpoint drew
+                sampler.next_batch()
+                self._rng.randrange(2**31)
+            for step in range(first, job.num_rollout + 1):
                 self._check_cancelled()
                 self.rl_step(step, sampler.next_batch())
                 last = step == job.num_rollout
@@ -395,6 +414,16 @@ class RLLoop:
             "weights_version": self.weights_version,
             "wall_s": time.time() - started,
         }
+
+    def _resume(self) -> dict[str, float | None]:
+        """Load the checkpoint into every trainer and the engines; the evals before training are
+        the stored ones."""
+        resume = self.resume
+        for trainer in self.fleet.trainers:
+            trainer.load_checkpoint(resume.path, load_optimizer=True)
+        self.sync_weights(step=resume.step)
+        self.emit("log", resume.step, {"message": f"resumed from the checkpoint of step {resume.step} ({resume.path})"})
+        return dict(resume.evals_before)
 
     def _evaluate_checkpoint(self, started: float) -> dict:
         """Eval-only: every eval dataset once, labelled with the checkpoint's training step."""

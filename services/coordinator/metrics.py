@@ -40,6 +40,15 @@ class MetricsWriter:
         record = {"step": step, "time": _now(time), "dataset": dataset, "metrics": _plain(values)}
         self._append(EVAL_FILE, record)
 
+    def drop_after(self, step: int) -> None:
+        """Remove the records of steps after `step` (a job resumed from that step's checkpoint
+        writes them again)."""
+        for name in (METRICS_FILE, EVAL_FILE):
+            path = self.output_dir / name
+            kept = [r for r in read_jsonl(path) if r.get("step", 0) <= step]
+            if path.exists():
+                path.write_text("".join(json.dumps(r, allow_nan=False) + "\n" for r in kept), encoding="utf-8")
+
     def _append(self, name: str, record: dict[str, Any]) -> None:
         line = json.dumps(record, allow_nan=False) + "\n"
         with (self.output_dir / name).open("a", encoding="utf-8") as f:

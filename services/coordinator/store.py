@@ -159,6 +159,16 @@ def _projection(kind: str, time: float, step: int, data: dict) -> StepMetrics | 
     return None
 
 
+def latest_per_step(items: list, key) -> list:
+    """One item per key, the last one stored, in the order of their last appearance: a job
+    resumed from a checkpoint runs the steps after it again, and the new results supersede."""
+    last: dict = {}
+    for item in items:
+        last.pop(key(item), None)
+        last[key(item)] = item
+    return list(last.values())
+
+
 # ---- in memory ----------------------------------------------------------------------------------
 class MemoryJobStore:
     """The store in dicts: same semantics as SQLite, gone with the process."""
@@ -226,13 +236,13 @@ class MemoryJobStore:
             return [p for p in self._projections.get(job_id, []) if isinstance(p, cls)]
 
     def step_metrics(self, job_id):
-        return self._of(job_id, StepMetrics)
+        return latest_per_step(self._of(job_id, StepMetrics), lambda m: m.step)
 
     def eval_results(self, job_id):
-        return self._of(job_id, EvalResult)
+        return latest_per_step(self._of(job_id, EvalResult), lambda e: (e.step, e.dataset))
 
     def checkpoints(self, job_id):
-        return self._of(job_id, Checkpoint)
+        return latest_per_step(self._of(job_id, Checkpoint), lambda c: c.step)
 
     def stats(self):
         with self._lock:
@@ -427,18 +437,27 @@ class SqliteJobStore:
         return [Event(seq, job_id, kind, t, state, step, json.loads(data)) for seq, kind, t, state, step, data in rows]
 
     def step_metrics(self, job_id):
+        return latest_per_step(self._step_metrics(job_id), lambda m: m.step)
+
+    def _step_metrics(self, job_id):
         rows = self._read(
             "SELECT step, time, metrics_json FROM metrics WHERE job_id = ? ORDER BY seq", (job_id,)
         )
         return [StepMetrics(step, t, json.loads(m)) for step, t, m in rows]
 
     def eval_results(self, job_id):
+        return latest_per_step(self._eval_results(job_id), lambda e: (e.step, e.dataset))
+
+    def _eval_results(self, job_id):
         rows = self._read(
             "SELECT step, time, dataset, score, metrics_json FROM eval_results WHERE job_id = ? ORDER BY seq", (job_id,)
         )
         return [EvalResult(step, t, dataset, score, json.loads(m)) for step, t, dataset, score, m in rows]
 
     def checkpoints(self, job_id):
+        return latest_per_step(self._checkpoints(job_id), lambda c: c.step)
+
+    def _checkpoints(self, job_id):
         rows = self._read(
             "SELECT step, time, path FROM checkpoints WHERE job_id = ? ORDER BY seq", (job_id,)
         )
