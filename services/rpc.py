@@ -51,7 +51,7 @@ class _BearerAuth(grpc.ServerInterceptor):
     """Rejects calls without the configured bearer token; health and reflection stay open."""
 
     def __init__(self, token: str):
-        self._expected = f"Bearer {token}".encode()
+        self._expected = token.encode()
 
         def deny(request, context):
             context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or invalid bearer token")
@@ -62,7 +62,9 @@ class _BearerAuth(grpc.ServerInterceptor):
         if handler_call_details.method.startswith(_OPEN_METHOD_PREFIXES):
             return continuation(handler_call_details)
         for key, value in handler_call_details.invocation_metadata or ():
-            if key == "authorization" and hmac.compare_digest(value.encode(), self._expected):
+            # "Bearer <token>", the scheme in any case (RFC 7235), as the REST API reads it
+            scheme, _, given = value.partition(" ")
+            if key == "authorization" and scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), self._expected):
                 return continuation(handler_call_details)
         return self._deny
 

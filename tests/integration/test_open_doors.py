@@ -69,3 +69,33 @@ def test_checkpoints_inside_the_root_are_saved_and_loaded(trainer):
     assert (root / "run-1" / "step-000000" / "config.json").exists()
     loaded = stub.LoadCheckpoint(trainer_pb2.LoadCheckpointRequest(path=saved.path), timeout=60)  # absolute, inside
     assert loaded.step == saved.step
+
+
+@pytest.mark.parametrize("header, accepted", [("Bearer s3cret", True), ("bearer s3cret", True), ("BEARER s3cret", True),
+                                              ("Token s3cret", False), ("s3cret", False), ("Bearer s3cre", False),
+                                              ("Bearer  s3cret", True)])
+def test_grpc_and_rest_accept_the_same_bearer_spellings(tmp_path, header, accepted):
+    from fastapi.testclient import TestClient
+
+    from services.coordinator.jobs import JobManager
+    from services.coordinator.rest import create_app
+    from services.coordinator.server import build_server as build_coordinator_server
+    from services.coordinator.store import MemoryJobStore
+    from services.api import coordinator_pb2, coordinator_pb2_grpc
+
+    manager = JobManager(lambda job: None, runs_dir=tmp_path, store=MemoryJobStore())
+    rest = TestClient(create_app(manager, "s3cret")).get("/v1/jobs", headers={"Authorization": header})
+    server = build_coordinator_server(manager, "127.0.0.1:0", token="s3cret")
+    try:
+        with channel(f"127.0.0.1:{server.port}") as ch:
+            try:
+                coordinator_pb2_grpc.CoordinatorStub(ch).ListJobs(coordinator_pb2.ListJobsRequest(), timeout=10,
+                                                                  metadata=[("authorization", header)])
+                grpc_ok = True
+            except grpc.RpcError as e:
+                assert e.code() == grpc.StatusCode.UNAUTHENTICATED
+                grpc_ok = False
+    finally:
+        server.stop(0)
+        manager.close()
+    assert (rest.status_code == 200, grpc_ok) == (accepted, accepted), (rest.status_code, grpc_ok)
