@@ -14,6 +14,8 @@ from services.rollout.server import build_server
 from tests.conftest import make_tiny_model
 from tests.integration.conftest import channel
 
+pytestmark = pytest.mark.faults
+
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):

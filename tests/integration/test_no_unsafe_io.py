@@ -10,9 +10,13 @@ import textwrap
 import time
 from pathlib import Path
 
+import pytest
+
 from services.api import coordinator_pb2, coordinator_pb2_grpc
 from services.launcher import LocalFleet
 from tests.conftest import stop_fleet
+
+pytestmark = pytest.mark.faults
 
 SOURCES = sorted((Path(__file__).resolve().parents[2] / "services").rglob("*.py"))
 UNSAFE_MODULES = {"pickle", "cPickle", "dill", "cloudpickle", "marshal", "shelve", "joblib"}

@@ -14,6 +14,8 @@ from services.api import trainer_pb2, trainer_pb2_grpc
 from services.trainer.server import build_server
 from tests.integration.conftest import channel
 
+pytestmark = pytest.mark.faults
+
 
 @pytest.mark.parametrize("role", ["trainer", "rollout", "coordinator"])
 def test_serve_refuses_a_non_loopback_address_without_a_token(role, tmp_path):
