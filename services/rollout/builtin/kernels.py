@@ -245,33 +245,10 @@ def _sample_chunk_kernel(logits_ptr, scores_ptr, keys_ptr, steps_ptr, inv_temp_p
 
 
 @triton.jit
-def _sample_merge_kernel(part_ptr, tok_part_ptr, logits_ptr, tok_ptr, lp_ptr, stride_logits, NUM_CHUNKS: tl.constexpr,
-                         CHUNKS_PAD: tl.constexpr):
-    row = tl.program_id(0)
-    c = tl.arange(0, CHUNKS_PAD)
-    ok = c < NUM_CHUNKS
-    part = (row * NUM_CHUNKS + c) * 3
-    m = tl.load(part_ptr + part, mask=ok, other=float("-inf"))
-    total = tl.load(part_ptr + part + 1, mask=ok, other=0.0)
-    best = tl.load(part_ptr + part + 2, mask=ok, other=float("-inf"))
-    toks = tl.load(tok_part_ptr + row * NUM_CHUNKS + c, mask=ok, other=2147483647)
-    top = tl.max(m, axis=0)
-    lse = top + tl.log(tl.sum(tl.where(m > float("-inf"), total * tl.exp(m - top), 0.0), axis=0))
-    winner = tl.max(best, axis=0)
-    token = tl.min(tl.where(best == winner, toks, 2147483647), axis=0)  # chunks hold ascending ids
-    chosen = tl.load(logits_ptr + row * stride_logits + token).to(tl.float32)
-    tl.store(tok_ptr + row, token.to(tl.int64))
-    tl.store(lp_ptr + row, chosen - lse)
-
-
-@triton.jit
-def _sample_record_kernel(part_ptr, tok_part_ptr, logits_ptr, stride_logits, start, tokens_ptr, positions_ptr,
-                          made_ptr, done_ptr, out_tok_ptr, out_lp_ptr, out_width, limit_ptr, is_stop_ptr,
-                          NUM_CHUNKS: tl.constexpr, CHUNKS_PAD: tl.constexpr):
-    """Merge a row's chunks into its token and logprob, and record them (as
-    `TorchOps.sample_and_record` does), all in one program per row."""
-    r = tl.program_id(0)
-    row = start + r
+def _merge_chunks(part_ptr, tok_part_ptr, logits_ptr, stride_logits, r, NUM_CHUNKS: tl.constexpr,
+                  CHUNKS_PAD: tl.constexpr):
+    """Row r's token (the best noised score over its chunks; the lowest id on a tie) and the raw
+    logprob of that token."""
     c = tl.arange(0, CHUNKS_PAD)
     ok = c < NUM_CHUNKS
     part = (r * NUM_CHUNKS + c) * 3
@@ -284,6 +261,27 @@ def _sample_record_kernel(part_ptr, tok_part_ptr, logits_ptr, stride_logits, sta
     winner = tl.max(best, axis=0)
     token = tl.min(tl.where(best == winner, toks, 2147483647), axis=0)  # chunks hold ascending ids
     logprob = tl.load(logits_ptr + r * stride_logits + token).to(tl.float32) - lse
+    return token, logprob
+
+
+@triton.jit
+def _sample_merge_kernel(part_ptr, tok_part_ptr, logits_ptr, tok_ptr, lp_ptr, stride_logits, NUM_CHUNKS: tl.constexpr,
+                         CHUNKS_PAD: tl.constexpr):
+    row = tl.program_id(0)
+    token, logprob = _merge_chunks(part_ptr, tok_part_ptr, logits_ptr, stride_logits, row, NUM_CHUNKS, CHUNKS_PAD)
+    tl.store(tok_ptr + row, token.to(tl.int64))
+    tl.store(lp_ptr + row, logprob)
+
+
+@triton.jit
+def _sample_record_kernel(part_ptr, tok_part_ptr, logits_ptr, stride_logits, start, tokens_ptr, positions_ptr,
+                          made_ptr, done_ptr, out_tok_ptr, out_lp_ptr, out_width, limit_ptr, is_stop_ptr,
+                          NUM_CHUNKS: tl.constexpr, CHUNKS_PAD: tl.constexpr):
+    """Merge a row's chunks into its token and logprob, and record them (as
+    `TorchOps.sample_and_record` does), all in one program per row."""
+    r = tl.program_id(0)
+    row = start + r
+    token, logprob = _merge_chunks(part_ptr, tok_part_ptr, logits_ptr, stride_logits, r, NUM_CHUNKS, CHUNKS_PAD)
     active = tl.load(done_ptr + row) == 0
     if active:
         made = tl.load(made_ptr + row)
