@@ -146,7 +146,13 @@ def test_ctrl_c_or_sigterm_stops_every_service_and_exits_130(tmp_path, tiny_mode
     children = _children(proc.pid)
     assert len(children) == 3
     proc.send_signal(sig)
-    _, err = proc.communicate(timeout=60)
+    try:
+        _, err = proc.communicate(timeout=120)  # services get their grace, then SIGKILL: well under this
+    except subprocess.TimeoutExpired:
+        still = {pid: cmd for pid, cmd in _children(proc.pid).items()}
+        proc.kill()
+        out, err = proc.communicate()
+        raise AssertionError(f"rlfleet run did not stop; children {still}; stderr: {err[-2000:]}")
     assert proc.returncode == 130 and said in err
     for pid in children:  # no service orphaned, the job does not carry on
         assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text()
