@@ -8,6 +8,7 @@ its thread work on its service's device first (`use`), before any CUDA call.
 
 from __future__ import annotations
 
+import functools
 import re
 
 import torch
@@ -31,11 +32,19 @@ _DEVICE = re.compile(r"cpu|cuda(:\d{1,3})?")
 def use(device: torch.device | str) -> None:
     """Make the calling thread's current CUDA device `device` (a no-op for CPU and for a bare
     "cuda", which means the current device)."""
-    device = parse(device) if isinstance(device, str) else device
-    if device.type != "cuda" or device.index is None:
-        return
-    if not torch.cuda.is_available() or device.index >= torch.cuda.device_count():
-        seen = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        raise ValueError(f"device: {device} does not exist here (this process sees {seen} GPU(s))")
-    if torch.cuda.current_device() != device.index:
+    device = parse(str(device))  # a device this machine lacks is refused by name
+    if device.type == "cuda" and device.index is not None and torch.cuda.current_device() != device.index:
         torch.cuda.set_device(device)
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device, read once per device (1 for a CPU, where only
+    Triton's interpreter runs kernels)."""
+    if device.type != "cuda":
+        return 1
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())

@@ -111,8 +111,7 @@ def _run_local(job: JobConfig, job_path: Path, args: argparse.Namespace, started
         engines = [fleet.start("rollout", f"rollout-{i}", []) for i in range(job.rollout.num_engines)]
         fleet.wait_ready()
         # This job is the user's own, on their machine: its python rewards may import what it names.
-        allowed = [a for m in python_reward_modules([job.reward, *(d.reward for d in job.eval.datasets if d.reward)])
-                   for a in ("--allow-reward-module", m)]
+        allowed = [a for m in python_reward_modules(job.rewards) for a in ("--allow-reward-module", m)]
         fleet.start(
             "coordinator", "coordinator",
             ["--trainers", ",".join(c.address for c in trainers), "--rollouts", ",".join(c.address for c in engines),

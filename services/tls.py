@@ -13,7 +13,7 @@ host) in the server's certificate instead.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
@@ -29,6 +29,7 @@ class TlsConfig:
     ca: bytes | None = None  # PEM bundle of the CA(s) its peers' certificates chain to
     client_auth: bool = False  # servers require a client certificate signed by `ca`
     server_name: str = ""  # the name clients expect in a server's certificate
+    files: dict[str, str] = field(default_factory=dict)  # where cert, key and ca were read (HTTPS needs paths)
 
     def __post_init__(self) -> None:
         if (self.cert is None) != (self.key is None):
@@ -56,7 +57,8 @@ class TlsConfig:
                 raise ValueError(f"{name}: cannot read {path} ({e.strerror or e})") from e
 
         return cls(cert=read("tls-cert", cert), key=read("tls-key", key), ca=read("tls-ca", ca),
-                   client_auth=client_auth, server_name=server_name)
+                   client_auth=client_auth, server_name=server_name,
+                   files={name: path for name, path in (("cert", cert), ("key", key), ("ca", ca)) if path})
 
     @classmethod
     def from_env(cls) -> "TlsConfig | None":
@@ -87,3 +89,10 @@ class TlsConfig:
 
     def channel_options(self) -> list[tuple[str, str]]:
         return [("grpc.ssl_target_name_override", self.server_name)] if self.server_name else []
+
+    def uvicorn_settings(self) -> dict:
+        """uvicorn's HTTPS settings for the same files and client-certificate rule."""
+        import ssl
+
+        return {"ssl_certfile": self.files["cert"], "ssl_keyfile": self.files["key"], "ssl_ca_certs": self.files.get("ca"),
+                "ssl_cert_reqs": ssl.CERT_REQUIRED if self.client_auth else ssl.CERT_NONE}

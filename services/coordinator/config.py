@@ -504,6 +504,11 @@ class JobConfig:
         return self.num_rollout == 0
 
     @property
+    def rewards(self) -> list[RewardConfig]:
+        """Every reward the job scores with: its own and those eval datasets set for themselves."""
+        return [self.reward, *(d.reward for d in self.eval.datasets if d.reward)]
+
+    @property
     def trainer_tags(self) -> tuple[str, ...]:
         """The copies trainers keep: trainer.tags plus ref when the KL penalty needs it (none when eval-only)."""
         if self.eval_only:

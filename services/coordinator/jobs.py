@@ -141,8 +141,7 @@ class JobManager:
             raise ConfigError("job config: nested too deeply") from e
         _check_text(request_id=request_id, base_dir=base_dir, config=to_dict(config))
         try:
-            check_reward_modules([config.reward, *(d.reward for d in config.eval.datasets if d.reward)],
-                                 self._allowed_reward_modules)
+            check_reward_modules(config.rewards, self._allowed_reward_modules)
         except RewardError as e:
             raise ConfigError(str(e)) from e
         job_id = uuid.uuid4().hex[:12]

@@ -21,8 +21,8 @@ uvicorn in a thread beside the gRPC server, on a socket bound up front so port 0
 from __future__ import annotations
 
 import hmac
-import sqlite3
 import socket
+import sqlite3
 import threading
 import time
 from enum import Enum
@@ -45,6 +45,7 @@ from services import rpc
 from services.coordinator.config import ConfigError, job_json_schema
 from services.coordinator.jobs import JobFinished, JobManager, JobNotFound, RequestConflict
 from services.coordinator.store import STATES, Event, JobRecord
+from services.tls import TlsConfig
 
 log = rpc.get_logger("coordinator.rest")
 MAX_SEQ = 2**63 - 1
@@ -484,22 +485,15 @@ class RestServer:
     """uvicorn on its own thread and event loop; `port` is the bound port (port 0 picks one)."""
 
     def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0, start_timeout_s: float = 30.0,
-                 tls: dict[str, str] | None = None):
-        """`tls`: certfile, keyfile, and optionally ca and client_auth ("1": clients must present a
-        certificate signed by ca) for HTTPS."""
+                 tls: TlsConfig | None = None):
+        """HTTPS with `tls` (a certificate to serve, and with client_auth a CA clients must chain to)."""
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         sock = socket.socket(family, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))
         self.port: int = sock.getsockname()[1]
         self.host = host
-        https = {}
-        if tls:
-            import ssl
-
-            https = {"ssl_certfile": tls["certfile"], "ssl_keyfile": tls["keyfile"],
-                     "ssl_ca_certs": tls.get("ca") or None,
-                     "ssl_cert_reqs": ssl.CERT_REQUIRED if tls.get("client_auth") == "1" else ssl.CERT_NONE}
+        https = tls.uvicorn_settings() if tls is not None and tls.serves else {}
         config = uvicorn.Config(app, log_config=None, access_log=False, lifespan="off",
                                 timeout_graceful_shutdown=5, server_header=False, **https)
         self._server = uvicorn.Server(config)

@@ -7,8 +7,6 @@ watchers see the end instead of hanging), REST and gRPC drain, and the store is 
 
 from __future__ import annotations
 
-import os
-
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -17,6 +15,7 @@ from services import rpc
 from services.coordinator.jobs import JobManager
 from services.coordinator.server import build_server
 from services.coordinator.store import JobStore, open_store
+from services.tls import TlsConfig
 
 log = rpc.get_logger("coordinator")
 DEFAULT_DB = "./rlfleet-jobs.db"
@@ -53,16 +52,6 @@ class CoordinatorService:
         self.stop(grace_s)
 
 
-def _rest_tls() -> dict[str, str] | None:
-    """The HTTPS settings of the REST API: the process's TLS files (see services.tls), or None."""
-    from services.tls import ENV
-
-    if not os.environ.get(ENV["cert"]):
-        return None
-    return {"certfile": os.environ[ENV["cert"]], "keyfile": os.environ.get(ENV["key"], ""),
-            "ca": os.environ.get(ENV["ca"], ""), "client_auth": "1" if os.environ.get(ENV["client_auth"]) == "1" else ""}
-
-
 def build_coordinator(
     make_fleet: Callable,
     *,
@@ -84,8 +73,9 @@ def build_coordinator(
     if http_port is not None:
         from services.coordinator.rest import RestServer, create_app
 
-        tls = _rest_tls()
+        tls = TlsConfig.from_env()  # the process's, as its gRPC server's (see services.tls)
         rest = RestServer(create_app(manager, token), host, http_port, tls=tls)
-        log.info("REST on %s://%s:%d (OpenAPI at /openapi.json)", "https" if tls else "http", host, rest.port)
+        log.info("REST on %s://%s:%d (OpenAPI at /openapi.json)", "https" if tls and tls.serves else "http", host,
+                 rest.port)
     log.info("job store: %s", "memory" if db in (None, "memory") else Path(db).absolute())
     return CoordinatorService(manager, store, server, rest)

@@ -437,31 +437,23 @@ class SqliteJobStore:
         return [Event(seq, job_id, kind, t, state, step, json.loads(data)) for seq, kind, t, state, step, data in rows]
 
     def step_metrics(self, job_id):
-        return latest_per_step(self._step_metrics(job_id), lambda m: m.step)
-
-    def _step_metrics(self, job_id):
         rows = self._read(
             "SELECT step, time, metrics_json FROM metrics WHERE job_id = ? ORDER BY seq", (job_id,)
         )
-        return [StepMetrics(step, t, json.loads(m)) for step, t, m in rows]
+        return latest_per_step([StepMetrics(step, t, json.loads(m)) for step, t, m in rows], lambda m: m.step)
 
     def eval_results(self, job_id):
-        return latest_per_step(self._eval_results(job_id), lambda e: (e.step, e.dataset))
-
-    def _eval_results(self, job_id):
         rows = self._read(
             "SELECT step, time, dataset, score, metrics_json FROM eval_results WHERE job_id = ? ORDER BY seq", (job_id,)
         )
-        return [EvalResult(step, t, dataset, score, json.loads(m)) for step, t, dataset, score, m in rows]
+        results = [EvalResult(step, t, dataset, score, json.loads(m)) for step, t, dataset, score, m in rows]
+        return latest_per_step(results, lambda e: (e.step, e.dataset))
 
     def checkpoints(self, job_id):
-        return latest_per_step(self._checkpoints(job_id), lambda c: c.step)
-
-    def _checkpoints(self, job_id):
         rows = self._read(
             "SELECT step, time, path FROM checkpoints WHERE job_id = ? ORDER BY seq", (job_id,)
         )
-        return [Checkpoint(step, t, path) for step, t, path in rows]
+        return latest_per_step([Checkpoint(step, t, path) for step, t, path in rows], lambda c: c.step)
 
     def stats(self):
         jobs = {s: 0 for s in STATES}

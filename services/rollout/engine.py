@@ -45,7 +45,7 @@ _CAN_SWAP = hasattr(torch.UntypedStorage, "_swap_data_ptr_")  # torch >= 2.13
 @dataclass(frozen=True, kw_only=True)
 class RolloutSettings:
     model_path: str
-    engine: str = "torch"
+    engine: str = "torch"  # which engine: checked by protocol.build_engine, the registry
     device: str = "cpu"
     dtype: str = "float32"
     seed: int = 0
@@ -57,8 +57,6 @@ class RolloutSettings:
     def __post_init__(self) -> None:
         if not self.model_path:
             raise ValueError("model_path: required")
-        if self.engine != "torch":
-            raise ValueError(f"engine: unknown engine {self.engine!r} (available: 'torch')")
         devices.parse(self.device)
         torch_dtype(self.dtype)
         self.core_settings()  # names a bad field

@@ -175,14 +175,14 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
             source = request.WhichOneof("source")
             if source is None:
                 raise ValueError("source: one of trainer, broadcast, shm, cuda_ipc is required")
-            rpc.timeout_seconds(request.timeout_s, DEFAULT_UPDATE_TIMEOUT_S)  # a bad one names itself now
+            timeout_s = rpc.timeout_seconds(request.timeout_s, DEFAULT_UPDATE_TIMEOUT_S)  # a bad one names itself now
             if source == "broadcast" and request.broadcast.group_name not in self._groups:
                 raise ValueError(f"broadcast.group_name: no group {request.broadcast.group_name!r}; call InitWeightUpdateGroup")
             read_back = request.verify == weights_pb2.VERIFY_MODE_EXACT
             checked = time.perf_counter()
             try:
                 with profiling.profiled("rollout", f"update-{manifest.version}"):
-                    copied = self._receive_and_apply(engine, request, manifest, read_back)
+                    copied = self._receive_and_apply(engine, request, manifest, read_back, timeout_s)
             except (WeightSyncError, InvalidChunk, grpc.RpcError) as e:
                 reason = e.details() if isinstance(e, grpc.RpcError) else str(e)
                 engine.leave_pool(f"weight update to version {manifest.version} failed: {reason}")
@@ -200,7 +200,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
                 bytes=copied,
             )
 
-    def _receive_and_apply(self, engine, request, manifest, read_back: bool) -> int:
+    def _receive_and_apply(self, engine, request, manifest, read_back: bool, timeout_s: float) -> int:
         source = request.WhichOneof("source")
         if source == "shm" and engine.device.type != "cuda":  # the trainer's segments become our weights
             try:
@@ -215,7 +215,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
         if source == "shm":  # a sleeping trainer's host copy, uploaded to our GPU
             buffers = receiver.receive_host_copy(self._shm, request.shm, manifest, self._staging)
         elif source == "trainer":
-            buffers = self._pull(request.trainer, manifest, rpc.timeout_seconds(request.timeout_s, DEFAULT_UPDATE_TIMEOUT_S))
+            buffers = self._pull(request.trainer, manifest, timeout_s)
         elif source == "cuda_ipc":  # the trainer's GPU memory: copied out of it
             buffers = receiver.receive_cuda_ipc(request.cuda_ipc, manifest, self._staging)
         else:

@@ -35,6 +35,17 @@ def addresses(local: LocalFleet) -> dict[str, str]:
     return {child.role.split("-")[0]: child.address for child in local.children}
 
 
+def run_job(address: str, config_yaml: str, *, token: str | None = None, tls=None, timeout_s: float = 180.0):
+    """Submit a job to the coordinator at `address`, follow it to its end: (final Job, its events)."""
+    from services.api import coordinator_pb2, coordinator_pb2_grpc
+
+    with contextlib.closing(rpc.open_channel(address, token, tls=tls)) as ch:
+        coordinator = coordinator_pb2_grpc.CoordinatorStub(ch)
+        created = coordinator.CreateJob(coordinator_pb2.CreateJobRequest(config_yaml=config_yaml), timeout=30)
+        events = list(coordinator.WatchJob(coordinator_pb2.WatchJobRequest(job_id=created.id), timeout=timeout_s))
+        return coordinator.GetJob(coordinator_pb2.GetJobRequest(job_id=created.id), timeout=30), events
+
+
 @contextlib.contextmanager
 def channel(address: str):
     ch = rpc.open_channel(address)

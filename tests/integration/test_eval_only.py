@@ -11,20 +11,16 @@ import sys
 import textwrap
 from pathlib import Path
 
-from services.api import coordinator_pb2, coordinator_pb2_grpc, trainer_pb2, trainer_pb2_grpc
+from services.api import coordinator_pb2, trainer_pb2, trainer_pb2_grpc
 from services.trainer.checkpoint import OPTIMIZER_FILE
-from tests.integration.conftest import addresses, channel
+from tests.integration.conftest import addresses, channel, run_job
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "arith"
 TEST_DATA = EXAMPLE / "data" / "test.jsonl"
 
 
 def _run_job(fleet, text: str):
-    with channel(addresses(fleet)["coordinator"]) as ch:
-        coordinator = coordinator_pb2_grpc.CoordinatorStub(ch)
-        job = coordinator.CreateJob(coordinator_pb2.CreateJobRequest(config_yaml=text), timeout=30)
-        events = list(coordinator.WatchJob(coordinator_pb2.WatchJobRequest(job_id=job.id), timeout=300))
-        return coordinator.GetJob(coordinator_pb2.GetJobRequest(job_id=job.id), timeout=10), events
+    return run_job(addresses(fleet)["coordinator"], text, timeout_s=300)
 
 
 def _trainer_status(fleet) -> trainer_pb2.TrainerStatus:

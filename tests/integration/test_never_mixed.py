@@ -14,7 +14,6 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-import torch
 
 from services.api import rollout_pb2, trainer_pb2, weights_pb2
 from services.coordinator.clients import PeerError, RolloutClient, TrainerClient

@@ -12,9 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from services.api import coordinator_pb2, coordinator_pb2_grpc
+from services.api import coordinator_pb2
 from services.launcher import LocalFleet
 from tests.conftest import stop_fleet
+from tests.integration.conftest import run_job
 
 pytestmark = pytest.mark.faults
 
@@ -98,14 +99,7 @@ def test_a_job_run_with_a_token_leaves_it_in_no_log(tmp_path, tiny_model_dir, ta
             weight_sync: {{plane: grpc_stream}}
             checkpoint: {{every: 1, dir: {tmp_path / 'ckpt'}}}
             """)
-        from services import rpc
-
-        channel = rpc.open_channel(coordinator.address, token)
-        stub = coordinator_pb2_grpc.CoordinatorStub(channel)
-        created = stub.CreateJob(coordinator_pb2.CreateJobRequest(config_yaml=job), timeout=30)
-        list(stub.WatchJob(coordinator_pb2.WatchJobRequest(job_id=created.id), timeout=180))
-        final = stub.GetJob(coordinator_pb2.GetJobRequest(job_id=created.id), timeout=30)
-        channel.close()
+        final, _ = run_job(coordinator.address, job, token=token)
         assert final.state == coordinator_pb2.JOB_STATE_SUCCEEDED, final.error
         time.sleep(0.5)  # the last log lines
     finally:

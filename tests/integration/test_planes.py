@@ -12,13 +12,13 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from services.api import coordinator_pb2, coordinator_pb2_grpc, rollout_pb2, trainer_pb2
+from services.api import coordinator_pb2, rollout_pb2, trainer_pb2
 from services.coordinator.clients import RolloutClient, TrainerClient
 from services.coordinator.weight_sync import WeightSyncer, choose_plane
 from services.launcher import LocalFleet
 from services.api import weights_pb2
 from tests.conftest import make_syncer, stop_fleet, stop_process
-from tests.integration.conftest import channel
+from tests.integration.conftest import run_job
 
 pytestmark = pytest.mark.faults
 
@@ -63,11 +63,7 @@ def test_each_plane_delivers_bit_identical_weights_to_two_engines(two_engine_fle
         """
     )
     children = {c.role: c for c in two_engine_fleet.children}
-    with channel(children["coordinator"].address) as ch:
-        coordinator = coordinator_pb2_grpc.CoordinatorStub(ch)
-        created = coordinator.CreateJob(coordinator_pb2.CreateJobRequest(config_yaml=job), timeout=30)
-        events = list(coordinator.WatchJob(coordinator_pb2.WatchJobRequest(job_id=created.id), timeout=120))
-        final = coordinator.GetJob(coordinator_pb2.GetJobRequest(job_id=created.id), timeout=10)
+    final, events = run_job(children["coordinator"].address, job, timeout_s=120)
     assert final.state == coordinator_pb2.JOB_STATE_SUCCEEDED, final.error
     import json
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import signal
 import textwrap
-import time
 
 import pytest
 

@@ -20,7 +20,7 @@ from services.api import (
     trainer_pb2_grpc,
     weights_pb2,
 )
-from tests.integration.conftest import addresses, channel
+from tests.integration.conftest import addresses, channel, run_job
 
 
 def _configure(addrs, model_dir, *, lr=1e-2):
@@ -156,11 +156,7 @@ def test_one_full_rl_step_through_the_coordinator(fleet, tiny_model_dir, task_fi
         trainer: {{optimizer: {{lr: 0.01}}}}
         """
     )
-    with channel(addresses(fleet)["coordinator"]) as ch:
-        coordinator = coordinator_pb2_grpc.CoordinatorStub(ch)
-        job_pb = coordinator.CreateJob(coordinator_pb2.CreateJobRequest(config_yaml=job), timeout=30)
-        events = list(coordinator.WatchJob(coordinator_pb2.WatchJobRequest(job_id=job_pb.id), timeout=120))
-        final = coordinator.GetJob(coordinator_pb2.GetJobRequest(job_id=job_pb.id), timeout=10)
+    final, events = run_job(addresses(fleet)["coordinator"], job, timeout_s=120)
     assert final.state == coordinator_pb2.JOB_STATE_SUCCEEDED, final.error
     kinds = [e.kind for e in events]
     assert kinds.count("step") == 1 and kinds.count("eval") == 2
@@ -247,11 +243,7 @@ def test_kl_goes_to_the_loss_or_to_the_reward_as_the_job_says(fleet, tiny_model_
         sft: {{data: {train}, steps: 3, lr: 0.01}}
         """
     )
-    with channel(addresses(fleet)["coordinator"]) as ch:
-        coordinator = coordinator_pb2_grpc.CoordinatorStub(ch)
-        job_pb = coordinator.CreateJob(coordinator_pb2.CreateJobRequest(config_yaml=job), timeout=30)
-        events = list(coordinator.WatchJob(coordinator_pb2.WatchJobRequest(job_id=job_pb.id), timeout=120))
-        final = coordinator.GetJob(coordinator_pb2.GetJobRequest(job_id=job_pb.id), timeout=10)
+    final, events = run_job(addresses(fleet)["coordinator"], job, timeout_s=120)
     assert final.state == coordinator_pb2.JOB_STATE_SUCCEEDED, final.error
     steps = [json.loads(e.data_json) for e in events if e.kind == "step"]
     # the SFT warm-up moved the policy away from ref (the weights at the start): KL > 0 from step 1

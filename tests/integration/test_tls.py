@@ -14,8 +14,9 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services import rpc
-from services.api import coordinator_pb2, coordinator_pb2_grpc, trainer_pb2, trainer_pb2_grpc
+from services.api import coordinator_pb2, trainer_pb2, trainer_pb2_grpc
 from services.tls import TlsConfig
+from tests.integration.conftest import run_job
 
 pytestmark = pytest.mark.faults
 
@@ -143,11 +144,7 @@ def test_a_whole_job_runs_over_mutual_tls(tmp_path, pki, tiny_model_dir, task_fi
             """)
         client = TlsConfig.from_files(cert=str(pki["client.crt"]), key=str(pki["client.key"]), ca=str(pki["ca"]),
                                       server_name="rlfleet")
-        with rpc.open_channel(coordinator.address, tls=client) as ch:
-            stub = coordinator_pb2_grpc.CoordinatorStub(ch)
-            created = stub.CreateJob(coordinator_pb2.CreateJobRequest(config_yaml=job), timeout=30)
-            events = list(stub.WatchJob(coordinator_pb2.WatchJobRequest(job_id=created.id), timeout=180))
-            final = stub.GetJob(coordinator_pb2.GetJobRequest(job_id=created.id), timeout=30)
+        final, events = run_job(coordinator.address, job, tls=client)
         assert final.state == coordinator_pb2.JOB_STATE_SUCCEEDED, final.error
         assert any(e.kind == "weight_sync" for e in events)
         # the REST API over HTTPS, client certificate required

@@ -19,6 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
+from services import devices
+
 from services.rollout.builtin.ops import TorchOps
 
 
@@ -385,7 +387,7 @@ class TritonOps(TorchOps):
         device = logits.device
         block = 1024
         # enough programs to fill the GPU: a row's vocabulary in chunks when the batch is small
-        chunks = max(1, min(64, triton.cdiv(vocab, 8 * block), -(-2 * _sm_count(device) // batch)))
+        chunks = max(1, min(64, triton.cdiv(vocab, 8 * block), -(-2 * devices.sm_count(device) // batch)))
         chunk = triton.cdiv(triton.cdiv(vocab, chunks), block) * block
         chunks = triton.cdiv(vocab, chunk)
         part = torch.empty(batch, chunks, 3, dtype=torch.float32, device=device)
@@ -397,14 +399,3 @@ class TritonOps(TorchOps):
         return part, tok_part, chunks
 
 
-
-_SMS: dict[int, int] = {}
-
-
-def _sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 4
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _SMS:
-        _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return _SMS[index]

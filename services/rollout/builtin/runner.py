@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from services import devices
 from services.rollout.builtin import sampling
 from services.rollout.builtin.forward import PagedDecoder
 from services.rollout.builtin.kv_cache import TRASH_BLOCK, PagedKVCache
@@ -62,8 +63,6 @@ class ModelRunner:
         self.rows: RowState
         self._graphs: dict[tuple[int, StepMode], torch.cuda.CUDAGraph] = {}
         self._pool = None
-        self._num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count \
-            if self.device.type == "cuda" else 0
         self._alloc_state()
 
     def _alloc_state(self) -> None:
@@ -142,7 +141,7 @@ class ModelRunner:
         if self.device.type != "cuda":
             return 1
         programs = batch * self.decoder.config.num_key_value_heads
-        return max(1, min(16, -(-2 * self._num_sms // programs)))
+        return max(1, min(16, -(-2 * devices.sm_count(self.device) // programs)))
 
     def _record(self, logits: torch.Tensor, start: int, mode: StepMode) -> None:
         """Sample from logits [b, V] for slots start.., record the tokens, advance the rows."""
