@@ -62,7 +62,7 @@ class LossConfig(_message.Message):
     def __init__(self, clip_eps_low: _Optional[float] = ..., clip_eps_high: _Optional[float] = ..., kl_coef: _Optional[float] = ..., kl_estimator: _Optional[str] = ..., entropy_coef: _Optional[float] = ..., loss_agg: _Optional[str] = ...) -> None: ...
 
 class TrainerConfig(_message.Message):
-    __slots__ = ("model_path", "backend", "device", "dtype", "seed", "optimizer", "scheduler", "loss", "tags", "eval_only", "offload", "colocate", "micro_batch_size", "bucket_bytes", "master_weights")
+    __slots__ = ("model_path", "backend", "device", "dtype", "seed", "optimizer", "scheduler", "loss", "tags", "eval_only", "offload", "colocate", "micro_batch_size", "bucket_bytes", "master_weights", "ranks", "tensor_parallel", "pipeline_parallel")
     MODEL_PATH_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
@@ -78,6 +78,9 @@ class TrainerConfig(_message.Message):
     MICRO_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     BUCKET_BYTES_FIELD_NUMBER: _ClassVar[int]
     MASTER_WEIGHTS_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_PARALLEL_FIELD_NUMBER: _ClassVar[int]
+    PIPELINE_PARALLEL_FIELD_NUMBER: _ClassVar[int]
     model_path: str
     backend: str
     device: str
@@ -93,7 +96,36 @@ class TrainerConfig(_message.Message):
     micro_batch_size: int
     bucket_bytes: int
     master_weights: str
-    def __init__(self, model_path: _Optional[str] = ..., backend: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., seed: _Optional[int] = ..., optimizer: _Optional[_Union[OptimizerConfig, _Mapping]] = ..., scheduler: _Optional[_Union[SchedulerConfig, _Mapping]] = ..., loss: _Optional[_Union[LossConfig, _Mapping]] = ..., tags: _Optional[_Iterable[str]] = ..., eval_only: _Optional[bool] = ..., offload: _Optional[bool] = ..., colocate: _Optional[bool] = ..., micro_batch_size: _Optional[int] = ..., bucket_bytes: _Optional[int] = ..., master_weights: _Optional[str] = ...) -> None: ...
+    ranks: RankGroup
+    tensor_parallel: int
+    pipeline_parallel: int
+    def __init__(self, model_path: _Optional[str] = ..., backend: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., seed: _Optional[int] = ..., optimizer: _Optional[_Union[OptimizerConfig, _Mapping]] = ..., scheduler: _Optional[_Union[SchedulerConfig, _Mapping]] = ..., loss: _Optional[_Union[LossConfig, _Mapping]] = ..., tags: _Optional[_Iterable[str]] = ..., eval_only: _Optional[bool] = ..., offload: _Optional[bool] = ..., colocate: _Optional[bool] = ..., micro_batch_size: _Optional[int] = ..., bucket_bytes: _Optional[int] = ..., master_weights: _Optional[str] = ..., ranks: _Optional[_Union[RankGroup, _Mapping]] = ..., tensor_parallel: _Optional[int] = ..., pipeline_parallel: _Optional[int] = ...) -> None: ...
+
+class RankGroup(_message.Message):
+    __slots__ = ("rank", "world_size", "address", "timeout_s")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    world_size: int
+    address: str
+    timeout_s: float
+    def __init__(self, rank: _Optional[int] = ..., world_size: _Optional[int] = ..., address: _Optional[str] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+
+class OpenRankGroupRequest(_message.Message):
+    __slots__ = ("world_size", "timeout_s")
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    world_size: int
+    timeout_s: float
+    def __init__(self, world_size: _Optional[int] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+
+class OpenRankGroupResponse(_message.Message):
+    __slots__ = ("port",)
+    PORT_FIELD_NUMBER: _ClassVar[int]
+    port: int
+    def __init__(self, port: _Optional[int] = ...) -> None: ...
 
 class ConfigureTrainerRequest(_message.Message):
     __slots__ = ("config", "request_id")
@@ -150,7 +182,7 @@ class GetTrainerStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class TrainerStatus(_message.Message):
-    __slots__ = ("lifecycle", "has_optimizer", "has_scheduler", "configured", "step", "num_parameters", "checkpoint_step")
+    __slots__ = ("lifecycle", "has_optimizer", "has_scheduler", "configured", "step", "num_parameters", "checkpoint_step", "rank", "world_size", "backend")
     LIFECYCLE_FIELD_NUMBER: _ClassVar[int]
     HAS_OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
     HAS_SCHEDULER_FIELD_NUMBER: _ClassVar[int]
@@ -158,6 +190,9 @@ class TrainerStatus(_message.Message):
     STEP_FIELD_NUMBER: _ClassVar[int]
     NUM_PARAMETERS_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_STEP_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
     lifecycle: LifecycleStatus
     has_optimizer: bool
     has_scheduler: bool
@@ -165,7 +200,10 @@ class TrainerStatus(_message.Message):
     step: int
     num_parameters: int
     checkpoint_step: int
-    def __init__(self, lifecycle: _Optional[_Union[LifecycleStatus, _Mapping]] = ..., has_optimizer: _Optional[bool] = ..., has_scheduler: _Optional[bool] = ..., configured: _Optional[bool] = ..., step: _Optional[int] = ..., num_parameters: _Optional[int] = ..., checkpoint_step: _Optional[int] = ...) -> None: ...
+    rank: int
+    world_size: int
+    backend: str
+    def __init__(self, lifecycle: _Optional[_Union[LifecycleStatus, _Mapping]] = ..., has_optimizer: _Optional[bool] = ..., has_scheduler: _Optional[bool] = ..., configured: _Optional[bool] = ..., step: _Optional[int] = ..., num_parameters: _Optional[int] = ..., checkpoint_step: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., backend: _Optional[str] = ...) -> None: ...
 
 class Sample(_message.Message):
     __slots__ = ("prompt_ids", "response_ids", "loss_mask", "advantage", "advantages", "old_logprobs", "ref_logprobs")

@@ -105,6 +105,11 @@ class TrainerStub:
                 request_serializer=rlfleet_dot_v1_dot_trainer__pb2.LoadCheckpointRequest.SerializeToString,
                 response_deserializer=rlfleet_dot_v1_dot_trainer__pb2.LoadCheckpointResponse.FromString,
                 _registered_method=True)
+        self.OpenRankGroup = channel.unary_unary(
+                '/rlfleet.v1.Trainer/OpenRankGroup',
+                request_serializer=rlfleet_dot_v1_dot_trainer__pb2.OpenRankGroupRequest.SerializeToString,
+                response_deserializer=rlfleet_dot_v1_dot_trainer__pb2.OpenRankGroupResponse.FromString,
+                _registered_method=True)
 
 
 class TrainerServicer:
@@ -194,6 +199,13 @@ class TrainerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def OpenRankGroup(self, request, context):
+        """Rank 0 of a multi-rank trainer opens the rendezvous store the other ranks join in Configure.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TrainerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -266,6 +278,11 @@ def add_TrainerServicer_to_server(servicer, server):
                     servicer.LoadCheckpoint,
                     request_deserializer=rlfleet_dot_v1_dot_trainer__pb2.LoadCheckpointRequest.FromString,
                     response_serializer=rlfleet_dot_v1_dot_trainer__pb2.LoadCheckpointResponse.SerializeToString,
+            ),
+            'OpenRankGroup': grpc.unary_unary_rpc_method_handler(
+                    servicer.OpenRankGroup,
+                    request_deserializer=rlfleet_dot_v1_dot_trainer__pb2.OpenRankGroupRequest.FromString,
+                    response_serializer=rlfleet_dot_v1_dot_trainer__pb2.OpenRankGroupResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -646,6 +663,33 @@ class Trainer:
             '/rlfleet.v1.Trainer/LoadCheckpoint',
             rlfleet_dot_v1_dot_trainer__pb2.LoadCheckpointRequest.SerializeToString,
             rlfleet_dot_v1_dot_trainer__pb2.LoadCheckpointResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def OpenRankGroup(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rlfleet.v1.Trainer/OpenRankGroup',
+            rlfleet_dot_v1_dot_trainer__pb2.OpenRankGroupRequest.SerializeToString,
+            rlfleet_dot_v1_dot_trainer__pb2.OpenRankGroupResponse.FromString,
             options,
             channel_credentials,
             insecure,

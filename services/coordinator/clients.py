@@ -8,6 +8,7 @@ peer and the call, chained to the original error.
 from __future__ import annotations
 
 import contextlib
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import grpc
@@ -141,6 +142,83 @@ class TrainerClient(_Client):
         request = trainer_pb2.LoadCheckpointRequest(path=path, load_optimizer=load_optimizer)
         with self._call("LoadCheckpoint"):
             return self._stub.LoadCheckpoint(request, timeout=self.deadline_s).step
+
+    def open_rank_group(self, world_size: int, timeout_s: float) -> int:
+        """Rank 0's side: the port of the store the other ranks join."""
+        request = trainer_pb2.OpenRankGroupRequest(world_size=world_size, timeout_s=timeout_s)
+        with self._call("OpenRankGroup"):
+            return self._stub.OpenRankGroup(request, timeout=60).port
+
+
+class TrainerGroup:
+    """The trainer ranks of a job, called as one model (SPMD): every rank gets the same call at
+    once, and rank 0's answer is the group's. Rank 0 is also the weight source of every sync.
+
+    A rank that fails fails the call; the ranks still inside a collective with it give up at
+    the group's collective timeout (see services/trainer/ranks.py).
+    """
+
+    def __init__(self, ranks: list[TrainerClient], timeout_s: float = 600.0):
+        if not ranks:
+            raise ValueError("trainer group: no ranks")
+        self.ranks, self.timeout_s = ranks, timeout_s
+        self._pool = ThreadPoolExecutor(len(ranks), thread_name_prefix="trainer-rank")
+
+    @property
+    def source(self) -> TrainerClient:
+        return self.ranks[0]
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False)
+
+    def _all(self, call):
+        """call(client, rank) on every rank at once; rank 0's result, or the first error by rank."""
+        futures = [self._pool.submit(call, client, rank) for rank, client in enumerate(self.ranks)]
+        results, errors = [], []
+        for fut in futures:
+            try:
+                results.append(fut.result())
+            except PeerError as e:
+                errors.append(e)
+        if errors:  # the root cause first: a rank's own error, not a peer's collective timeout
+            errors.sort(key=lambda e: e.code == grpc.StatusCode.UNAVAILABLE)
+            raise errors[0]
+        return results[0]
+
+    def configure(self, config: trainer_pb2.TrainerConfig) -> trainer_pb2.TrainerStatus:
+        world = len(self.ranks)
+        address = ""
+        if world > 1:
+            port = self.source.open_rank_group(world, self.timeout_s)
+            address = f"{self.source.address.rpartition(':')[0]}:{port}"
+
+        def configure_rank(client: TrainerClient, rank: int) -> trainer_pb2.TrainerStatus:
+            mine = trainer_pb2.TrainerConfig()
+            mine.CopyFrom(config)
+            if world > 1:
+                mine.ranks.CopyFrom(trainer_pb2.RankGroup(
+                    rank=rank, world_size=world, address="" if rank == 0 else address, timeout_s=self.timeout_s))
+            return client.configure(mine)
+
+        return self._all(configure_rank)
+
+    def sleep(self) -> trainer_pb2.LifecycleStatus:
+        return self._all(lambda client, _: client.sleep())
+
+    def wake_up(self) -> trainer_pb2.LifecycleStatus:
+        return self._all(lambda client, _: client.wake_up())
+
+    def compute_logprobs(self, tag: str, batch: trainer_pb2.Batch) -> list[list[float]]:
+        return self._all(lambda client, _: client.compute_logprobs(tag, batch))
+
+    def train_step(self, batch: trainer_pb2.Batch, *, sft: bool = False, lr: float = 0.0) -> tuple[dict[str, float], int]:
+        return self._all(lambda client, _: client.train_step(batch, sft=sft, lr=lr))
+
+    def save_checkpoint(self, path: str, *, include_optimizer: bool = True) -> int:
+        return self._all(lambda client, _: client.save_checkpoint(path, include_optimizer=include_optimizer))
+
+    def load_checkpoint(self, path: str, *, load_optimizer: bool = True) -> int:
+        return self._all(lambda client, _: client.load_checkpoint(path, load_optimizer=load_optimizer))
 
 
 class RolloutClient(_Client):

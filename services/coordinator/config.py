@@ -325,10 +325,14 @@ class TrainerConfig:
     """The trainer fleet: backend, placement, precision, optimizer and memory lifecycle.
 
     Attributes:
-        backend: torch (the only trainer backend so far; megatron is planned).
+        backend: torch (every rank holds the whole model: data parallel) or megatron (Megatron-core
+            GPTModel split over tensor_parallel x pipeline_parallel ranks, data parallel beyond).
         device: cpu, cuda or cuda:N.
         dtype: parameter dtype: float32, bfloat16 or float16.
-        num_trainers: trainer ranks (one process each).
+        num_trainers: trainer ranks (one process each), all training one model.
+        tensor_parallel: megatron: ranks that split every layer (divides num_trainers).
+        pipeline_parallel: megatron: ranks that split the layers (tensor_parallel x
+            pipeline_parallel divides num_trainers).
         micro_batch_size: sequences per forward/backward pass; gradients accumulate over a step.
         optimizer: AdamW settings.
         scheduler: learning-rate schedule.
@@ -338,10 +342,12 @@ class TrainerConfig:
         tags: extra model copies to keep: ref, old_actor, teacher (ref is added when kl_coef > 0).
     """
 
-    backend: Literal["torch"] = "torch"
+    backend: Literal["torch", "megatron"] = "torch"
     device: str = "cpu"
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     num_trainers: int = 1
+    tensor_parallel: int = 1
+    pipeline_parallel: int = 1
     micro_batch_size: int = 64
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
@@ -353,6 +359,13 @@ class TrainerConfig:
     def __post_init__(self) -> None:
         _check(bool(_DEVICE_RE.fullmatch(self.device)), "device", f"expected cpu, cuda or cuda:N, got {self.device!r}")
         _check(self.num_trainers >= 1, "num_trainers", f"must be >= 1, got {self.num_trainers}")
+        for name in ("tensor_parallel", "pipeline_parallel"):
+            _check(getattr(self, name) >= 1, name, f"must be >= 1, got {getattr(self, name)}")
+            _check(self.backend == "megatron" or getattr(self, name) == 1, name,
+                   "only the megatron backend splits the model (the torch backend is data parallel)")
+        split = self.tensor_parallel * self.pipeline_parallel
+        _check(self.num_trainers % split == 0, "num_trainers",
+               f"{self.num_trainers} ranks cannot hold tensor_parallel x pipeline_parallel = {split} model shards")
         _check(self.micro_batch_size >= 1, "micro_batch_size", f"must be >= 1, got {self.micro_batch_size}")
         _check(len(set(self.tags)) == len(self.tags), "tags", f"must not repeat a tag, got {list(self.tags)}")
 

@@ -20,7 +20,7 @@ import torch
 from services import rpc
 from services.api import rollout_pb2, trainer_pb2
 from services.coordinator.advantages import compute_advantages
-from services.coordinator.clients import Completion, PeerError, RolloutClient, TrainerClient
+from services.coordinator.clients import Completion, PeerError, RolloutClient, TrainerClient, TrainerGroup
 from services.coordinator.config import JobConfig
 from services.coordinator.datasets import Example, PromptSampler, load_jsonl
 from services.coordinator.rewards import build_reward
@@ -97,6 +97,8 @@ def trainer_config(job: JobConfig) -> trainer_pb2.TrainerConfig:
         micro_batch_size=t.micro_batch_size,
         bucket_bytes=job.weight_sync.bucket_bytes,
         master_weights=t.master_weights or "",
+        tensor_parallel=t.tensor_parallel,
+        pipeline_parallel=t.pipeline_parallel,
     )
 
 
@@ -125,6 +127,7 @@ class RLLoop:
         self.weights_version = -1
         self._pool = ThreadPoolExecutor(max_workers=2 + 2 * len(fleet.engines))
         self.syncer: WeightSyncer | None = None
+        self.trainers = TrainerGroup(fleet.trainers) if fleet.trainers else None
         self._eval_sets = [
             (ds, load_jsonl(ds.path, job.data.prompt_key, job.data.answer_key, limit=ds.limit), build_reward(ds.reward))
             for ds in job.eval.datasets
@@ -144,12 +147,14 @@ class RLLoop:
             raise ValueError("fleet: the job needs a rollout engine and none is available")
         config = trainer_config(self.job)
         self.checkpoint_step = 0
-        for trainer in self.fleet.trainers:
-            status = trainer.configure(config)
+        if self.trainers is not None:
+            status = self.trainers.configure(config)
             self.checkpoint_step = status.checkpoint_step
+            where = ", ".join(t.address for t in self.fleet.trainers)
             self.emit(
                 "log", 0,
-                {"message": f"trainer {trainer.address} ready ({status.num_parameters} parameters, "
+                {"message": f"trainer {where} ready ({status.backend} backend, {status.world_size or 1} rank(s), "
+                            f"{status.num_parameters} parameters on rank 0, "
                             f"optimizer: {'yes' if status.has_optimizer else 'none'})"},
             )
         exact = self.job.weight_sync.verify == "exact"
@@ -177,8 +182,7 @@ class RLLoop:
             )
             self.emit("log", 0, {"message": f"weight planes: {dict(zip((e.address for e in self.fleet.engines), self.syncer.planes))}"})
             if self.job.trainer.offload:  # an offloaded trainer sleeps whenever it is not training
-                for trainer in self.fleet.trainers:
-                    trainer.sleep()
+                self.trainers.sleep()
             self.sync_weights(step=0)
         else:
             self.weights_version, self.checkpoint_step = status.weight_version, status.checkpoint_step
@@ -289,7 +293,7 @@ class RLLoop:
         ).view(len(examples), n)  # [P, n]
         if job.trainer.colocate:  # the engines' memory goes to the trainer while it trains
             self._on_engines(lambda e: e.release_memory(["kv_cache", "weights"]))
-        trainer = self.fleet.trainers[0]
+        trainer = self.trainers
         kl_reward = None
         if algo.needs_ref and not algo.use_kl_loss:  # KL as a reward penalty: kl_coef * sum_t (logp - ref)
             kl_reward = self._kl_in_reward(trainer, completions).view(len(examples), n)  # [P, n]
@@ -312,8 +316,7 @@ class RLLoop:
         train_metrics, _ = trainer.train_step(batch)
         slept = time.perf_counter()
         if job.trainer.offload:  # every sync of an offloaded trainer reads its host copy
-            for t in self.fleet.trainers:
-                t.sleep()
+            trainer.sleep()
         t2 = time.perf_counter()
         sync = self.sync_weights(step)
         lengths = [len(c.output_ids) for c in completions]
@@ -336,7 +339,7 @@ class RLLoop:
         return metrics
 
     @staticmethod
-    def _kl_in_reward(trainer: TrainerClient, completions: list[Completion]) -> torch.Tensor:
+    def _kl_in_reward(trainer: TrainerGroup, completions: list[Completion]) -> torch.Tensor:
         """Per completion, sum over its tokens of (engine logprob - ref logprob): the k1 estimate
         of KL(policy || ref) for the sequence (0 for an empty completion)."""
         scored = [i for i, c in enumerate(completions) if c.output_ids]
@@ -364,7 +367,7 @@ class RLLoop:
                     for e in rows
                 ]
             )
-            metrics, _ = self.fleet.trainers[0].train_step(batch, sft=True, lr=sft.lr)
+            metrics, _ = self.trainers.train_step(batch, sft=True, lr=sft.lr)
             self.emit("sft", i + 1, metrics)
         self.sync_weights(step=0)
 
@@ -419,8 +422,7 @@ class RLLoop:
         """Load the checkpoint into every trainer and the engines; the evals before training are
         the stored ones."""
         resume = self.resume
-        for trainer in self.fleet.trainers:
-            trainer.load_checkpoint(resume.path, load_optimizer=True)
+        self.trainers.load_checkpoint(resume.path, load_optimizer=True)
         self.sync_weights(step=resume.step)
         self.emit("log", resume.step, {"message": f"resumed from the checkpoint of step {resume.step} ({resume.path})"})
         return dict(resume.evals_before)
@@ -448,7 +450,7 @@ class RLLoop:
     def save_checkpoint(self, step: int) -> None:
         base = self.job.checkpoint.dir or Path(self.job.output_dir or "runs") / "checkpoints"
         directory = Path(base) / f"step-{step:06d}"
-        self.fleet.trainers[0].save_checkpoint(str(directory))
+        self.trainers.save_checkpoint(str(directory))
         self.emit("checkpoint", step, {"path": str(directory)})
 
     def _check_cancelled(self) -> None:
@@ -459,6 +461,8 @@ class RLLoop:
         if getattr(self, "syncer", None) is not None:
             self.syncer.close()
         self._pool.shutdown(wait=False, cancel_futures=True)
+        if self.trainers is not None:
+            self.trainers.close()
 
 
 def _groups(completions: list[Completion], n: int) -> list[list[Completion]]:

@@ -17,7 +17,8 @@ from services import devices, rpc
 from services.api import trainer_pb2, trainer_pb2_grpc, weights_pb2
 from services.trainer.batch import Sample
 from services.trainer.settings import LossSettings, OptimizerSettings, SchedulerSettings, TrainerSettings
-from services.trainer.torch_backend import TorchTrainer, TrainerStateError
+from services.trainer import ranks
+from services.trainer.backend import TrainerBackend, TrainerStateError, build_backend
 from services.trainer.weight_push import WeightPusher
 from services.trainer.weight_source import StreamCutOff
 from services.weights import capabilities
@@ -29,6 +30,7 @@ SERVICE_NAME = "rlfleet.v1.Trainer"
 _ERRORS = {
     ValueError: grpc.StatusCode.INVALID_ARGUMENT,
     TrainerStateError: grpc.StatusCode.FAILED_PRECONDITION,
+    ranks.RankError: grpc.StatusCode.UNAVAILABLE,
     WeightSyncError: grpc.StatusCode.ABORTED,
     FileNotFoundError: grpc.StatusCode.NOT_FOUND,
 }
@@ -70,6 +72,8 @@ def settings_from_proto(cfg: trainer_pb2.TrainerConfig) -> TrainerSettings:
         micro_batch_size=cfg.micro_batch_size or defaults.micro_batch_size,
         bucket_bytes=cfg.bucket_bytes or defaults.bucket_bytes,
         master_weights=cfg.master_weights,
+        tensor_parallel=cfg.tensor_parallel or 1,
+        pipeline_parallel=cfg.pipeline_parallel or 1,
     )
 
 
@@ -104,7 +108,8 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
     def __init__(self, checkpoint_root: Path = Path(".")):
         self._checkpoint_root = checkpoint_root
         self._lock = threading.Lock()
-        self._trainer: TorchTrainer | None = None
+        self._trainer: TrainerBackend | None = None
+        self._rank_store = None  # rank 0's rendezvous store, from OpenRankGroup until the group forms
         self._pusher: WeightPusher | None = None
         self._manifests = ManifestEncoder()  # under self._lock
         self._streams = rpc.Admission(16)  # GetWeights streams at once (each holds a pool thread)
@@ -119,7 +124,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
                 with self._pusher.source.exclusive():
                     yield
 
-    def _require(self, context) -> TorchTrainer:
+    def _require(self, context) -> TrainerBackend:
         if self._trainer is None:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, "trainer is not configured: call Configure first")
         devices.use(self._trainer.device)  # this pool thread may start on another GPU
@@ -131,12 +136,15 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
             return trainer_pb2.TrainerStatus(configured=False)
         return trainer_pb2.TrainerStatus(
             lifecycle=_lifecycle_proto(t.lifecycle()),
-            has_optimizer=t.optimizer is not None,
-            has_scheduler=t.scheduler is not None,
+            has_optimizer=t.has_optimizer,
+            has_scheduler=t.has_scheduler,
             configured=True,
             step=t.step,
             num_parameters=t.num_parameters,
             checkpoint_step=t.checkpoint_step,
+            rank=ranks.world()[0],
+            world_size=ranks.world()[1],
+            backend=t.settings.backend,
         )
 
     def close(self) -> None:
@@ -153,7 +161,9 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
             if self._pusher is not None:
                 self._pusher.close()
                 self._trainer.close()
-            self._trainer = TorchTrainer(settings)
+                self._trainer = self._pusher = None
+            self._join_ranks(request.config.ranks, settings)
+            self._trainer = build_backend(settings)
             self._pusher = WeightPusher(self._trainer)
             log.info(
                 "configured: %s (%d parameters, %s, eval_only=%s)",
@@ -162,6 +172,23 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
             return trainer_pb2.ConfigureTrainerResponse(
                 status=self._status(), capabilities=capabilities.local(self._trainer.device)
             )
+
+    def _join_ranks(self, group: trainer_pb2.RankGroup, settings) -> None:
+        """Form (or leave) the trainer group this rank belongs to; blocks until every rank is in."""
+        if group.world_size <= 1:
+            if group.rank != 0:
+                raise ValueError(f"ranks.rank: {group.rank} in a group of {group.world_size or 1}")
+            ranks.leave()
+            return
+        store, self._rank_store = (self._rank_store, None) if group.rank == 0 else (None, None)
+        ranks.join(rank=group.rank, world_size=group.world_size, address=group.address, store=store,
+                   backend="nccl" if settings.device.startswith("cuda") else "gloo",
+                   timeout_s=rpc.timeout_seconds(group.timeout_s, 600.0))
+
+    def OpenRankGroup(self, request, context):
+        with self._lock, rpc.abort_on(context, _ERRORS):
+            self._rank_store = ranks.open_store(request.world_size, rpc.timeout_seconds(request.timeout_s, 600.0))
+            return trainer_pb2.OpenRankGroupResponse(port=self._rank_store.port)
 
     def GetStatus(self, request, context):
         with self._lock:

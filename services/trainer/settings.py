@@ -16,6 +16,7 @@ KL_ESTIMATORS = ("k1", "k2", "k3", "low_var_kl")
 LOSS_AGGREGATIONS = ("token_mean", "seq_mean_token_sum", "seq_mean_token_mean")
 SCHEDULER_KINDS = ("constant", "linear", "cosine")
 TAGS = ("ref", "old_actor", "teacher")
+BACKENDS = ("torch", "megatron")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -94,12 +95,19 @@ class TrainerSettings:
     micro_batch_size: int = 64
     bucket_bytes: int = 512 * 1024 * 1024
     master_weights: str = ""
+    tensor_parallel: int = 1    # megatron: ranks that split each layer
+    pipeline_parallel: int = 1  # megatron: ranks that split the layers
 
     def __post_init__(self) -> None:
         if not self.model_path:
             raise ValueError("model_path: required")
-        if self.backend != "torch":
-            raise ValueError(f"backend: unknown backend {self.backend!r} (available: 'torch')")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend: unknown backend {self.backend!r} (available: {', '.join(map(repr, BACKENDS))})")
+        for name in ("tensor_parallel", "pipeline_parallel"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
+            if self.backend != "megatron" and getattr(self, name) != 1:
+                raise ValueError(f"{name}: only the megatron backend splits the model; the torch backend is data parallel")
         devices.parse(self.device)
         torch_dtype(self.dtype)
         for tag in self.tags:

@@ -11,14 +11,15 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import dataclass
 
 import torch
 
 from services.models import load_hf_dir
 from services.models.checkpoint import checkpoint_step
 from services.trainer import checkpoint, losses
+from services.trainer.backend import LifecycleState, StepResult, SyncWeights, TrainerStateError
 from services.trainer.batch import PackedBatch, Sample, micro_batches, pack
+from services.trainer.ranks import DataParallel, world
 from services.trainer.host_store import ACTOR, HostCopy, HostStore
 from services.trainer.offload import Offloader
 from services.trainer.settings import SchedulerSettings, TrainerSettings
@@ -28,10 +29,6 @@ from services.weights.buckets import parse_dtype, plan_buckets
 from services.weights.fingerprint import fingerprint
 
 log = logging.getLogger("rlfleet.trainer")
-
-
-class TrainerStateError(RuntimeError):
-    """An operation that the trainer's current state does not allow (e.g. training in eval-only)."""
 
 
 def lr_lambda(settings: SchedulerSettings):
@@ -56,22 +53,6 @@ def lr_lambda(settings: SchedulerSettings):
     return multiplier
 
 
-@dataclass(frozen=True)
-class StepResult:
-    metrics: dict[str, float]
-    weights_version: int
-    step: int
-
-
-@dataclass(frozen=True)
-class LifecycleState:
-    asleep: bool
-    active_tag: str
-    weights_version: int
-    gpu_bytes_in_use: int
-    host_backup_bytes: int
-
-
 class TorchTrainer:
     """Policy model, optimizer and the memory lifecycle of one trainer rank.
 
@@ -84,12 +65,12 @@ class TorchTrainer:
         self.settings = settings
         self.device = torch.device(settings.device)
         torch.manual_seed(settings.seed)
-        self.model_config, self.model = load_hf_dir(
-            settings.model_path, dtype=parse_dtype(settings.dtype), device=self.device
-        )
+        self.dp = self._build_model()
         self.pad_id = self.model_config.pad_token_id or 0
-        self.params = list(self.model.parameters())
-        self.named = dict(named_weights(self.model))
+        if self.dp.size > 1 and "old_actor" in settings.tags:
+            raise ValueError("tags: old_actor is captured when rank 0 serves a weight sync, which the other "
+                             "data-parallel ranks never see; it is not supported with several ranks yet")
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
         # Weights live in the sync bucket layout: a bucket of live weights is a view, never packed.
         self.layout = plan_buckets(list(self.named.items()), settings.bucket_bytes)
         self.bucket_views = memory.lay_out(
@@ -127,9 +108,32 @@ class TorchTrainer:
                 self.store.capture(tag, self.named, version=0)
         self.offloader = Offloader(self.params, pinned=torch.cuda.is_available())
 
+    def _build_model(self) -> DataParallel:
+        """Load the policy (`model_config`, `model`, `named`: the parameters by name) and return
+        how batches split across ranks. Every rank of a torch trainer group holds the whole model
+        and trains a shard of each batch (data parallel)."""
+        self.model_config, self.model = load_hf_dir(
+            self.settings.model_path, dtype=parse_dtype(self.settings.dtype), device=self.device
+        )
+        self.named = dict(named_weights(self.model))
+        rank, size = world()
+        return DataParallel(torch.distributed.group.WORLD if size > 1 else None, self.device)
+
     @property
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.params)
+
+    @property
+    def has_optimizer(self) -> bool:
+        return self.optimizer is not None
+
+    @property
+    def has_scheduler(self) -> bool:
+        return self.scheduler is not None
+
+    @property
+    def rank(self) -> int:
+        return world()[0]
 
     # ---- memory lifecycle --------------------------------------------------------------------
     def _state_tensors(self) -> list[torch.Tensor]:
@@ -229,21 +233,25 @@ class TorchTrainer:
         self.active_tag = tag
         self._device_holds = (tag, self._version_of(tag))
 
-    def weights_for_sync(self) -> tuple[str, HostCopy | dict[str, torch.Tensor]]:
+    def weights_for_sync(self) -> SyncWeights | None:
         """Where a weight sync reads: the host actor copy while asleep, colocated or when another
-        tag is active; the live weights otherwise. `old_actor`, when kept, becomes what is synced."""
+        tag is active; the live weights otherwise. `old_actor`, when kept, becomes what is synced.
+        Every rank holds the whole model; rank 0 is the group's source."""
+        if self.rank != 0:
+            return None
         if self.asleep or self.settings.colocate or self.active_tag != ACTOR:
             if self.active_tag == ACTOR and not self.asleep:
                 self._capture_actor()
-            source, weights = "host", self.store.get(ACTOR)
+            sync = SyncWeights("host", self.store.get(ACTOR), self.store.layout, None)
         else:
-            source, weights = "gpu", self.named
+            sync = SyncWeights("gpu", self.named, self.layout, self.bucket_views)
+        weights = sync.weights
         if self.store is not None and "old_actor" in self.store.tags:
-            if source == "host":
+            if sync.source == "host":
                 self.store.load_bytes_into("old_actor", weights)
             else:
                 self.store.capture("old_actor", weights, self.weights_version)
-        return source, weights
+        return sync
 
     # ---- checkpoints -------------------------------------------------------------------------
     def save_checkpoint(self, path: str, *, include_optimizer: bool) -> None:
@@ -287,16 +295,26 @@ class TorchTrainer:
 
     @torch.no_grad()
     def compute_logprobs(self, tag: str, samples: list[Sample]) -> tuple[list[list[float]], float]:
+        """Per-token logprobs of every sample (each data-parallel rank computes its shard, and all
+        ranks return the whole batch's) and the mean entropy over response tokens."""
         self.use(tag)
+        self._check(samples)
+        shard = self.dp.shard(len(samples))
         results: list[list[float]] = []
-        entropy_sum, token_count = 0.0, 0.0
-        for chunk in micro_batches(samples, self.settings.micro_batch_size):
+        totals = {"entropy": 0.0, "tokens": 0.0}
+        for chunk in micro_batches(samples[shard], self.settings.micro_batch_size):
             batch = self._pack(chunk)
             logits = self._forward(batch)
             results += batch.response_values(losses.gather_logprobs(logits, batch.targets))
-            entropy_sum += float((losses.entropy_from_logits(logits) * batch.response_mask).sum())
-            token_count += float(batch.response_mask.sum())
-        return results, entropy_sum / max(token_count, 1.0)
+            totals["entropy"] += float((losses.entropy_from_logits(logits) * batch.response_mask).sum())
+            totals["tokens"] += float(batch.response_mask.sum())
+        results = self.dp.gather_values([len(s.response_ids) for s in samples], shard, results)
+        totals = self.dp.combine_metrics(totals)
+        return results, totals["entropy"] / max(totals["tokens"], 1.0)
+
+    def _check(self, samples: list[Sample]) -> None:
+        """Refuse a bad batch on every rank alike, before any rank enters a collective."""
+        pack(samples, pad_id=self.pad_id, vocab_size=self.model_config.vocab_size, device="cpu")
 
     def train_step(self, samples: list[Sample], *, sft: bool = False, lr: float | None = None) -> StepResult:
         """One optimizer step over the whole batch. With `lr`, that learning rate is used for this
@@ -317,18 +335,27 @@ class TorchTrainer:
         for p in self.params:
             p.grad = None
         per_token = loss_cfg.loss_agg == "token_mean"
+        self._check(samples)
         total = sum(len(s.response_ids) for s in samples) if per_token else len(samples)
+        shard = self.dp.shard(len(samples))
+        # A rank whose shard is empty still runs one pass at weight 0: every rank then reports
+        # the same metric keys and takes part in every collective.
+        mine = samples[shard] or samples[:1]
+        scale = 1.0 if samples[shard] else 0.0
         sums: dict[str, float] = {}
-        for chunk in micro_batches(samples, self.settings.micro_batch_size):
+        for chunk in micro_batches(mine, self.settings.micro_batch_size):
             batch = self._pack(chunk)
-            weight = (float(batch.response_mask.sum()) if per_token else len(chunk)) / total
+            weight = scale * (float(batch.response_mask.sum()) if per_token else len(chunk)) / total
             loss, metrics = self._micro_batch_loss(batch, sft)
             (loss * weight).backward()
             for key, value in metrics.items():
                 if key.endswith("_max"):
+                    value = value if scale else -math.inf
                     sums[key] = max(sums.get(key, value), value)
                 else:
                     sums[key] = sums.get(key, 0.0) + value * weight
+        self.dp.sum_gradients(self.params)
+        sums = self.dp.combine_metrics(sums)
         if self.master is not None:
             for p, m in zip(self.params, self.master):
                 m.grad = None if p.grad is None else p.grad.float()

@@ -16,6 +16,7 @@ import time
 import torch
 
 from services.api import weights_pb2
+from services.trainer.backend import SyncWeights, TrainerStateError
 from services.trainer.host_store import HostCopy
 from services.trainer.weight_source import Snapshot, WeightSource
 from services import rpc
@@ -53,25 +54,27 @@ class WeightPusher:
 
     def manifest(self, plane: int, algo: str = "") -> Manifest:
         trainer = self.trainer
-        source, weights = trainer.weights_for_sync()
+        sync = trainer.weights_for_sync()
+        if sync is None:
+            raise TrainerStateError(f"rank {trainer.rank} is not the weight source of its trainer group; ask rank 0")
         if self._on_device(plane):
-            return self._device_manifest(source, weights, algo, plane)
-        layout = trainer.store.layout if source == "host" else trainer.layout
+            return self._device_manifest(sync, algo, plane)
         if plane == SHM:
-            return self._shm_manifest(source, weights, layout, algo)
-        views = None if source == "host" else trainer.bucket_views
-        return self.source.snapshot(weights, layout, trainer.weights_version, source, algo, views=views).manifest
+            return self._shm_manifest(sync, algo)
+        return self.source.snapshot(sync.weights, sync.layout, trainer.weights_version, sync.source, algo,
+                                    views=sync.views).manifest
 
-    def _shm_manifest(self, source: str, weights, layout, algo: str) -> Manifest:
+    def _shm_manifest(self, sync: SyncWeights, algo: str) -> Manifest:
         """Copy the weights into the shm segment set written next, hashing each piece on the way."""
         trainer = self.trainer
+        source, layout = sync.source, sync.layout
         snap = self._shm_snapshot
         used = algo or "xxh3"
         if snap is not None and (snap.manifest.version, snap.manifest.source, snap.manifest.fingerprint_algo) == (
             trainer.weights_version, source, used
         ):
             return snap.manifest
-        buffers = weights.buffers if isinstance(weights, HostCopy) else trainer.bucket_views
+        buffers = sync.weights.buffers if isinstance(sync.weights, HostCopy) else sync.views
         self._shm_snapshot = None
         segments = self._shm.begin([s.nbytes for s in layout])
         try:
@@ -90,10 +93,11 @@ class WeightPusher:
         self._shm_snapshot = Snapshot(manifest, segments, segment_names=names)
         return manifest
 
-    def _device_manifest(self, source: str, weights, algo: str, plane: int) -> Manifest:
+    def _device_manifest(self, sync: SyncWeights, algo: str, plane: int) -> Manifest:
         """Buckets the trainer's GPU sends: views of the live weights (already in bucket layout),
         or, while asleep, the host copy staged on the way out (see services/weights/staging.py)."""
         trainer = self.trainer
+        source, weights = sync.source, sync.weights
         snap = self._device_snapshot
         used = algo or default_algo(trainer.device)
         if snap is not None and (snap.manifest.version, snap.manifest.source, snap.manifest.fingerprint_algo, snap.plane) == (
@@ -104,7 +108,7 @@ class WeightPusher:
         handles: list[weights_pb2.CudaIpcHandle] = []
         names: list[str] = []
         if isinstance(weights, HostCopy):
-            specs = trainer.store.layout
+            specs = sync.layout
             if plane == CUDA_IPC and not weights.segment_names:
                 buffers, handles = staging.stage_for_ipc(weights.buffers, trainer.device)
             else:  # engines copy a shared host copy themselves; NCCL stages slot by slot while sending
@@ -114,7 +118,7 @@ class WeightPusher:
             # bytes, which every algo reads alike ("fast" gives the same result on CPU and GPU).
             prints = weights.fingerprints.get(used) or fingerprints(weights.buffers, used)
         else:
-            specs, buffers = trainer.layout, trainer.bucket_views
+            specs, buffers = sync.layout, sync.views
             prints = fingerprints(buffers, used)
         buckets = tuple(dataclasses.replace(s, fingerprint=f) for s, f in zip(specs, prints))
         manifest = Manifest(version=trainer.weights_version, source=source, buckets=buckets, fingerprint_algo=used)

@@ -48,7 +48,8 @@ def test_sync_while_asleep_delivers_exactly_the_weights_after_the_last_train_ste
     after_step = _clone(trainer)
     trainer.sleep()
     assert all(p.untyped_storage().nbytes() == 0 for p in trainer.params)  # device copy is gone
-    source, weights = trainer.weights_for_sync()
+    sync = trainer.weights_for_sync()
+    source, weights = sync.source, sync.weights
     assert source == "host"
     _assert_equal(weights.views, after_step)
     snap = WeightSource(4096).snapshot(weights, trainer.store.layout, trainer.weights_version, source, "sha256")
@@ -60,7 +61,8 @@ def test_sync_while_asleep_delivers_exactly_the_weights_after_the_last_train_ste
 def test_sync_while_awake_reads_the_live_weights(tiny_model_dir):
     trainer = _trainer(tiny_model_dir, offload=True)
     trainer.train_step(_samples())
-    source, weights = trainer.weights_for_sync()
+    sync = trainer.weights_for_sync()
+    source, weights = sync.source, sync.weights
     assert source == "gpu"
     name, live = next(iter(trainer.named.items()))
     assert weights[name] is live

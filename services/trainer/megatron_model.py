@@ -1,0 +1,476 @@
+"""The Megatron-core model behind the "megatron" trainer backend: build, run and convert weights.
+
+`build_model` turns a `ModelConfig` (Llama / Qwen2 / Qwen3) into a Megatron `GPTModel` holding
+this rank's tensor- and pipeline-parallel shard, from Megatron's local (Transformer-Engine-free)
+layer spec, so the same code runs with megatron-core 0.16 on CPU over gloo and 0.19 on GPUs over
+NCCL. Core attention is `SDPACoreAttention` on every device: Megatron's own local attention
+needs CUDA buffers and materialises [b, heads, s, s] scores, while SDPA picks flash kernels on a
+GPU. Weights enter and leave only in Hugging Face names and layouts (`load_hf_state`,
+`gather_hf_state`), so checkpoints and the rollout engines never see Megatron's fused tensors;
+the per-tensor layouts are pure functions (`to_megatron_shard`, `from_megatron_shards`) that
+tests check without processes. The vocabulary is padded to a multiple of the tensor-parallel size
+with zero rows that `forward_logits` and `gather_hf_state` cut off again.
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+import re
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from megatron.core import parallel_state, tensor_parallel
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.torch_norm import WrappedTorchNorm
+from megatron.core.transformer.transformer_block import (
+    TransformerBlockSubmodules,
+    get_num_layers_to_build,
+)
+
+from services.models.config import ModelConfig
+
+_SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
+
+
+class Layout(enum.Enum):
+    """How one Megatron parameter is cut from (and glued back into) its Hugging Face tensors."""
+
+    REPLICATED = "replicated"  # every TP rank holds the whole tensor (norms)
+    ROW = "row"  # split on dim 1 (row-parallel inputs: o_proj, down_proj)
+    VOCAB = "vocab"  # split on dim 0 after padding the vocabulary (embedding, lm_head)
+    QKV = "qkv"  # fused [q_g; k_g; v_g] per query group, split by groups
+    FC1 = "fc1"  # SwiGLU: shard i is [gate_i; up_i]
+
+
+# Megatron name suffix inside `decoder.layers.<i>.` → (HF name suffixes in `model.layers.<i>.`, layout)
+_LAYER_PARAMS = {
+    "input_layernorm.weight": (("input_layernorm.weight",), Layout.REPLICATED),
+    "self_attention.linear_qkv.weight": (
+        ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
+        Layout.QKV,
+    ),
+    "self_attention.linear_qkv.bias": (
+        ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"),
+        Layout.QKV,
+    ),
+    "self_attention.q_layernorm.weight": (("self_attn.q_norm.weight",), Layout.REPLICATED),
+    "self_attention.k_layernorm.weight": (("self_attn.k_norm.weight",), Layout.REPLICATED),
+    "self_attention.linear_proj.weight": (("self_attn.o_proj.weight",), Layout.ROW),
+    "pre_mlp_layernorm.weight": (("post_attention_layernorm.weight",), Layout.REPLICATED),
+    "mlp.linear_fc1.weight": (("mlp.gate_proj.weight", "mlp.up_proj.weight"), Layout.FC1),
+    "mlp.linear_fc2.weight": (("mlp.down_proj.weight",), Layout.ROW),
+}
+_LAYER_NAME = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
+
+
+# ---------------------------------------------------------------------------------------------
+# Process groups
+
+
+def init_parallel(tp: int, pp: int, *, seed: int = 0) -> None:
+    """Create Megatron's model-parallel groups over the already initialised default group.
+
+    Pipeline parallelism is refused on CPU: megatron-core's schedules and p2p code allocate
+    their buffers with `device="cuda"` / `torch.cuda.current_device()` (e.g.
+    `pipeline_parallel/schedules.py`: `total_num_tokens = torch.zeros([], ..., device="cuda")`),
+    and with tied embeddings `GPTModel.__init__` itself calls `weight.data.cuda()`
+    (`language_module.py`, `setup_embeddings_and_output_layer`).
+    """
+    if tp < 1 or pp < 1:
+        raise ValueError(f"tp, pp: must be positive, got tp={tp}, pp={pp}")
+    if pp > 1 and not torch.cuda.is_available():
+        raise ValueError(
+            f"pp: pipeline parallelism ({pp}) needs CUDA; megatron-core's pipeline schedules "
+            "and tied-embedding setup allocate CUDA tensors unconditionally"
+        )
+    world_size = dist.get_world_size()
+    if world_size % (tp * pp):
+        raise ValueError(f"tp * pp = {tp * pp} does not divide the world size {world_size}")
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp
+    )
+    if torch.cuda.is_available():
+        tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def destroy_parallel() -> None:
+    """Drop Megatron's groups (the default group stays; the caller owns it)."""
+    parallel_state.destroy_model_parallel()
+
+
+# ---------------------------------------------------------------------------------------------
+# Model
+
+
+class SDPACoreAttention(MegatronModule):
+    """Causal core attention through `scaled_dot_product_attention`, with Megatron's signature.
+
+    Head counts come from the tensors, which already hold only this TP rank's heads, so the
+    module needs no process group (whose constructor argument differs between Megatron versions).
+    Only causal masking without an explicit mask is supported: `forward_logits` takes right-padded
+    batches, for which causal attention alone is exact on every real token.
+    """
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        layer_number: int,
+        attn_mask_type: AttnMaskType,
+        attention_type: str,
+        attention_dropout: float | None = None,
+        softmax_scale: float | None = None,
+        cp_comm_type: str | None = None,
+        pg_collection: object | None = None,
+    ) -> None:
+        super().__init__(config=config)
+        if attn_mask_type != AttnMaskType.causal:
+            raise ValueError(f"attn_mask_type: only causal attention is supported, got {attn_mask_type}")
+        self.softmax_scale = softmax_scale
+        self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
+
+    def forward(
+        self,
+        query: torch.Tensor,  # [S, B, heads, D]
+        key: torch.Tensor,  # [S, B, groups, D]
+        value: torch.Tensor,  # [S, B, groups, D]
+        attention_mask: torch.Tensor | None,
+        attn_mask_type: AttnMaskType | None = None,
+        attention_bias: torch.Tensor | None = None,
+        packed_seq_params: object | None = None,
+    ) -> torch.Tensor:  # [S, B, heads * D]
+        assert attention_mask is None and attention_bias is None and packed_seq_params is None, (
+            "SDPACoreAttention supports plain causal attention only"
+        )
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [B, heads, S, D]
+        out = F.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            is_causal=True,
+            dropout_p=self.dropout_p if self.training else 0.0,
+            scale=self.softmax_scale,
+            enable_gqa=q.shape[1] != k.shape[1],
+        )  # [B, heads, S, D]
+        seq, batch = query.shape[0], query.shape[1]
+        return out.permute(2, 0, 1, 3).reshape(seq, batch, -1)
+
+
+def padded_vocab_size(config: ModelConfig, tp_size: int) -> int:
+    """The vocabulary rounded up to a multiple of `tp_size` (VocabParallelEmbedding needs it)."""
+    return -(-config.vocab_size // tp_size) * tp_size
+
+
+def transformer_config(
+    config: ModelConfig, *, dtype: torch.dtype, device: torch.device, tp: int, pp: int
+) -> TransformerConfig:
+    """Megatron's config for `config`; raises ValueError for what Megatron cannot express."""
+    if dtype not in _SUPPORTED_DTYPES:
+        raise ValueError(f"dtype: {dtype} is not one of {', '.join(map(str, _SUPPORTED_DTYPES))}")
+    if config.o_proj_bias:
+        # Megatron biases o_proj only through add_bias_linear, which also biases both MLP
+        # projections; HF llama/qwen3 with attention_bias has no MLP biases.
+        raise ValueError(
+            f"attention_bias: {config.architecture} with attention_bias biases o_proj, which "
+            "Megatron can only express together with MLP biases"
+        )
+    if config.num_key_value_heads % tp:
+        raise ValueError(
+            f"num_key_value_heads: {config.num_key_value_heads} is not divisible by tp={tp}"
+        )
+    if config.num_hidden_layers % pp:
+        raise ValueError(f"num_hidden_layers: {config.num_hidden_layers} is not divisible by pp={pp}")
+    return TransformerConfig(
+        num_layers=config.num_hidden_layers,
+        hidden_size=config.hidden_size,
+        ffn_hidden_size=config.intermediate_size,
+        num_attention_heads=config.num_attention_heads,
+        num_query_groups=config.num_key_value_heads,
+        kv_channels=config.head_dim,
+        normalization="RMSNorm",
+        layernorm_epsilon=config.rms_norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=bool(config.attention_bias),
+        qk_layernorm=bool(config.qk_norm),
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        use_cpu_initialization=device.type == "cpu",
+        # Weights come from load_hf_state; a random init would only cost time.
+        perform_initialization=False,
+    )
+
+
+def build_model(config: ModelConfig, *, dtype: torch.dtype, device: torch.device) -> GPTModel:
+    """This rank's shard of the model, with uninitialised weights (fill them with `load_hf_state`).
+
+    Megatron places parameters itself: on CPU when `device` is the CPU, else on the current
+    CUDA device, which the caller must have set to `device`.
+    """
+    device = torch.device(device)
+    if device.type == "cuda" and (device.index or 0) != torch.cuda.current_device():
+        raise ValueError(
+            f"device: {device} is not the current CUDA device {torch.cuda.current_device()}"
+        )
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    pp = parallel_state.get_pipeline_model_parallel_world_size()
+    tcfg = transformer_config(config, dtype=dtype, device=device, tp=tp, pp=pp)
+    layer_spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=bool(config.qk_norm))
+    layer_spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
+    # An explicit block spec keeps the final norm a torch RMSNorm even where apex is installed
+    # (Megatron would otherwise pick apex's FusedLayerNorm for it).
+    block_spec = TransformerBlockSubmodules(
+        layer_specs=[layer_spec] * get_num_layers_to_build(tcfg), layer_norm=WrappedTorchNorm
+    )
+    model = GPTModel(
+        config=tcfg,
+        transformer_layer_spec=block_spec,
+        vocab_size=padded_vocab_size(config, tp),
+        max_sequence_length=config.max_position_embeddings,
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
+        # Vocab shards are gathered by forward_logits: Megatron's own gather allocates on CUDA.
+        parallel_output=True,
+        share_embeddings_and_output_weights=config.tie_word_embeddings,
+        position_embedding_type="rope",
+        rotary_base=config.rope_theta,
+    )
+    if device.type == "cpu":
+        _keep_rope_on_cpu(model)
+    return model
+
+
+def _keep_rope_on_cpu(model: GPTModel) -> None:
+    """Stop `RotaryEmbedding.get_emb` from moving `inv_freq` to CUDA on its first call.
+
+    Patched on this model's instance only, and only on CPU. The replacement is the
+    non-interleaved branch of Megatron's `get_emb` without the device move.
+    """
+    rope = model.rotary_pos_emb
+    assert not rope.rotary_interleaved
+
+    def get_emb(max_seq_len: int, offset: int = 0) -> torch.Tensor:
+        freqs = rope.get_freqs_non_repeated(max_seq_len, offset)  # [S, D/2]
+        return torch.cat((freqs, freqs), dim=-1)[:, None, None, :]  # [S, 1, 1, D]
+
+    rope.get_emb = get_emb
+
+
+def forward_logits(
+    model: GPTModel,
+    input_ids: torch.Tensor,  # LongTensor [B, T]
+    attention_mask: torch.Tensor,  # [B, T], 1 = real token, right-padded
+    *,
+    vocab_size: int,
+) -> torch.Tensor:  # float [B, T, vocab_size]
+    """Full-vocabulary float logits on every TP rank (pipeline parallel size 1 only).
+
+    Positions are 0..T-1, so rows must be right-padded: causal attention then never lets a real
+    token see padding. Outputs at padding positions are meaningless.
+    """
+    assert parallel_state.get_pipeline_model_parallel_world_size() == 1, "forward_logits: pp=1 only"
+    mask = attention_mask.bool()
+    if not bool((mask[:, 1:] <= mask[:, :-1]).all()):
+        raise ValueError("attention_mask: rows must be right-padded (real tokens first)")
+    logits = model(input_ids=input_ids, position_ids=None, attention_mask=None)  # [B, T, Vpad/tp]
+    if parallel_state.get_tensor_model_parallel_world_size() > 1:
+        logits = _GatherVocab.apply(logits, parallel_state.get_tensor_model_parallel_group())
+    return logits[..., :vocab_size].float()  # [B, T, V]
+
+
+class _GatherVocab(torch.autograd.Function):
+    """All-gather vocab shards [..., V/tp] into [..., V]; the backward keeps this rank's slice.
+
+    Every TP rank computes the same loss from the same full logits, so the gradient of the full
+    logits is already complete on each rank and needs no reduction.
+    """
+
+    @staticmethod
+    def forward(ctx, shard: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        parts = [torch.empty_like(shard) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, shard.contiguous(), group=group)
+        return torch.cat(parts, dim=-1)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        parts = grad.chunk(dist.get_world_size(ctx.group), dim=-1)
+        return parts[dist.get_rank(ctx.group)].contiguous(), None
+
+
+# ---------------------------------------------------------------------------------------------
+# Per-tensor layouts (pure)
+
+
+def to_megatron_shard(
+    layout: Layout,
+    hf_tensors: Sequence[torch.Tensor],
+    config: ModelConfig,
+    tp_rank: int,
+    tp_size: int,
+) -> torch.Tensor:
+    """The TP shard `tp_rank` of the Megatron tensor made from `hf_tensors` (in `_LAYER_PARAMS` order)."""
+    if layout is Layout.REPLICATED:
+        return hf_tensors[0]
+    if layout is Layout.ROW:
+        return hf_tensors[0].chunk(tp_size, dim=1)[tp_rank]
+    if layout is Layout.VOCAB:
+        full = hf_tensors[0]  # [V, H]
+        pad = padded_vocab_size(config, tp_size) - full.shape[0]
+        return F.pad(full, (0, 0, 0, pad)).chunk(tp_size, dim=0)[tp_rank]
+    if layout is Layout.FC1:
+        gate, up = (t.chunk(tp_size, dim=0)[tp_rank] for t in hf_tensors)
+        return torch.cat((gate, up), dim=0)
+    assert layout is Layout.QKV
+    groups = _qkv_groups(*hf_tensors, config)  # [G, (heads_per_group + 2) * D, ...]
+    return groups.chunk(tp_size, dim=0)[tp_rank].flatten(0, 1)
+
+
+def from_megatron_shards(
+    layout: Layout, shards: Sequence[torch.Tensor], config: ModelConfig
+) -> list[torch.Tensor]:
+    """The Hugging Face tensors (in `_LAYER_PARAMS` order) that the TP `shards` were cut from."""
+    if layout is Layout.REPLICATED:
+        return [shards[0]]
+    if layout is Layout.ROW:
+        return [torch.cat(shards, dim=1)]
+    if layout is Layout.VOCAB:
+        return [torch.cat(shards, dim=0)[: config.vocab_size]]
+    if layout is Layout.FC1:
+        gates, ups = zip(*(s.chunk(2, dim=0) for s in shards), strict=True)
+        return [torch.cat(gates, dim=0), torch.cat(ups, dim=0)]
+    assert layout is Layout.QKV
+    num_groups, head_dim = config.num_key_value_heads, config.head_dim
+    q_rows = config.num_attention_heads // num_groups * head_dim
+    full = torch.cat(shards, dim=0)
+    groups = full.view(num_groups, q_rows + 2 * head_dim, *full.shape[1:])
+    q, k, v = groups.split((q_rows, head_dim, head_dim), dim=1)
+    return [t.flatten(0, 1) for t in (q, k, v)]
+
+
+def _qkv_groups(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: ModelConfig
+) -> torch.Tensor:
+    """q [heads * D, ...], k and v [G * D, ...] → [G, (heads/G + 2) * D, ...] as [q_g; k_g; v_g]."""
+    num_groups = config.num_key_value_heads
+    rest = q.shape[1:]
+    return torch.cat(
+        (
+            q.reshape(num_groups, -1, *rest),
+            k.reshape(num_groups, -1, *rest),
+            v.reshape(num_groups, -1, *rest),
+        ),
+        dim=1,
+    )
+
+
+def hf_names_and_layout(
+    megatron_name: str, layer_index: int | None, config: ModelConfig
+) -> tuple[tuple[str, ...], Layout]:
+    """HF names behind one Megatron parameter; `layer_index` is the global layer of a layer param."""
+    match = _LAYER_NAME.fullmatch(megatron_name)
+    if match is not None:
+        assert layer_index is not None
+        suffixes, layout = _LAYER_PARAMS[match.group(2)]
+        return tuple(f"model.layers.{layer_index}.{s}" for s in suffixes), layout
+    if megatron_name == "embedding.word_embeddings.weight":
+        return ("model.embed_tokens.weight",), Layout.VOCAB
+    if megatron_name == "output_layer.weight":
+        # Only on the last pipeline stage of a tied model with pp > 1 is this a tied copy.
+        head = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
+        return (head,), Layout.VOCAB
+    if megatron_name == "decoder.final_layernorm.weight":
+        return ("model.norm.weight",), Layout.REPLICATED
+    raise AssertionError(f"no Hugging Face name for Megatron parameter {megatron_name!r}")
+
+
+def _param_map(
+    model: GPTModel, config: ModelConfig
+) -> list[tuple[torch.nn.Parameter, tuple[str, ...], Layout]]:
+    """Every parameter of this rank with its HF names and layout, in a rank-independent order."""
+    entries = []
+    for name, param in model.named_parameters():
+        match = _LAYER_NAME.fullmatch(name)
+        # layer_number is Megatron's 1-based global index, so pipeline offsets come for free.
+        layer_index = None if match is None else model.decoder.layers[int(match.group(1))].layer_number - 1
+        entries.append((param, *hf_names_and_layout(name, layer_index, config)))
+    return entries
+
+
+# ---------------------------------------------------------------------------------------------
+# Conversion over processes
+
+
+@torch.no_grad()
+def load_hf_state(model: GPTModel, hf_state: dict[str, torch.Tensor], config: ModelConfig) -> None:
+    """Copy this rank's shards out of a full HF state dict (e.g. `DecoderLM.state_dict()`)."""
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    tp_size = parallel_state.get_tensor_model_parallel_world_size()
+    for param, names, layout in _param_map(model, config):
+        missing = [n for n in names if n not in hf_state]
+        if missing:
+            raise ValueError(f"hf_state: missing tensor {missing[0]!r}")
+        shard = to_megatron_shard(layout, [hf_state[n] for n in names], config, tp_rank, tp_size)
+        if shard.shape != param.shape:
+            raise ValueError(
+                f"hf_state: {', '.join(names)} give a shard of shape {list(shard.shape)}, "
+                f"the model expects {list(param.shape)}"
+            )
+        param.copy_(shard)
+
+
+@torch.no_grad()
+def gather_hf_state(model: GPTModel, config: ModelConfig) -> dict[str, torch.Tensor] | None:
+    """The full HF-named state dict on global rank 0 (None elsewhere); a collective on every rank.
+
+    TP shards are all-gathered inside each pipeline stage; with pp > 1 each stage's TP rank 0
+    of the first data-parallel replica then sends its part to global rank 0 as an object. The
+    result is bit-for-bit what `load_hf_state` was given (tensors on the parameters' device).
+    """
+    tp_group = parallel_state.get_tensor_model_parallel_group()
+    tp_size = parallel_state.get_tensor_model_parallel_world_size()
+    state: dict[str, torch.Tensor] = {}
+    for param, names, layout in _param_map(model, config):
+        if layout is Layout.REPLICATED or tp_size == 1:
+            shards = [param.detach()]
+        else:
+            shards = [torch.empty_like(param) for _ in range(tp_size)]
+            dist.all_gather(shards, param.detach().contiguous(), group=tp_group)
+        tensors = from_megatron_shards(layout, shards, config)
+        # A tied output layer on the last stage repeats the embedding: keep the first stage's.
+        state.update({n: t.clone() for n, t in zip(names, tensors, strict=True) if n not in state})
+    if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+        return _gather_stages(state)
+    return state if dist.get_rank() == 0 else None
+
+
+def _gather_stages(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
+    """Merge each pipeline stage's part on global rank 0 (the first stage's TP rank 0)."""
+    senders = parallel_state.get_tensor_model_parallel_rank() == 0 and (
+        parallel_state.get_data_parallel_rank() == 0
+    )
+    if not senders:
+        return None
+    pp_group = parallel_state.get_pipeline_model_parallel_group()
+    cpu_state = {n: t.cpu() for n, t in state.items()}
+    parts = [None] * dist.get_world_size(pp_group) if dist.get_rank() == 0 else None
+    dist.gather_object(cpu_state, parts, dst=0, group=pp_group)
+    if dist.get_rank() != 0:
+        return None
+    merged: dict[str, torch.Tensor] = {}
+    for part in parts:
+        merged.update({n: t for n, t in part.items() if n not in merged})
+    device = next(iter(state.values())).device
+    return {n: t.to(device) for n, t in merged.items()}

@@ -1,0 +1,113 @@
+"""Two torch trainer processes are one model (gloo, data parallel): the step they take together
+equals the step one trainer takes on the same batch, both sleep, and a rank that dies fails the
+step on the other instead of holding it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from services.api import trainer_pb2
+from services.coordinator.clients import PeerError, TrainerClient, TrainerGroup
+from services.launcher import LocalFleet
+from services.weights.grpc_stream import receive
+from services.weights.manifest import manifest_from_proto
+
+pytestmark = pytest.mark.faults
+
+
+@pytest.fixture
+def trainers(tmp_path):
+    """Three trainer processes: two to form a group, one to train alone."""
+    local = LocalFleet(tmp_path / "logs", env={"OMP_NUM_THREADS": "1"})
+    try:
+        children = [local.start("trainer", f"trainer-{i}", []) for i in range(3)]
+        local.wait_ready()
+        yield local, [TrainerClient(c.address, deadline_s=120) for c in children]
+    finally:
+        for child in local.children:
+            try:
+                os.kill(child.process.pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+        local.stop()
+
+
+def _config(model_dir) -> trainer_pb2.TrainerConfig:
+    return trainer_pb2.TrainerConfig(
+        model_path=str(model_dir), seed=3, micro_batch_size=2, bucket_bytes=1 << 20,
+        optimizer=trainer_pb2.OptimizerConfig(lr=1e-2, grad_clip=1.0), offload=True,
+    )
+
+
+def _batch(num: int) -> trainer_pb2.Batch:
+    gen = torch.Generator().manual_seed(7)
+    samples = []
+    for i in range(num):  # uneven lengths, so the shards carry different token counts
+        prompt = torch.randint(3, 14, (3 + i % 4,), generator=gen).tolist()
+        response = torch.randint(3, 14, (2 + (i * 5) % 7,), generator=gen).tolist()
+        advantages = (torch.randn(len(response), generator=gen)).tolist()
+        samples.append(trainer_pb2.Sample(prompt_ids=prompt, response_ids=response, advantages=advantages,
+                                          old_logprobs=[-2.5] * len(response)))
+    return trainer_pb2.Batch(samples=samples)
+
+
+def _weights(client: TrainerClient) -> dict[int, torch.Tensor]:
+    manifest_proto = client.weight_manifest("sha256")
+    manifest = manifest_from_proto(manifest_proto)
+    chunks = client._stub.GetWeights(trainer_pb2.GetWeightsRequest(version=manifest.version), timeout=60)
+    return receive(chunks, manifest)
+
+
+def _assert_close(a: list[list[float]], b: list[list[float]]) -> None:
+    assert [len(row) for row in a] == [len(row) for row in b]
+    assert torch.allclose(torch.tensor(sum(a, [])), torch.tensor(sum(b, [])), atol=1e-5)
+
+
+def test_two_ranks_take_the_step_one_rank_takes(trainers, tiny_model_dir):
+    _, (rank0, rank1, alone) = trainers
+    group = TrainerGroup([rank0, rank1], timeout_s=60)
+    status = group.configure(_config(tiny_model_dir))
+    assert (status.rank, status.world_size) == (0, 2)
+    alone.configure(_config(tiny_model_dir))
+
+    batch = _batch(5)  # 3 samples on rank 0, 2 on rank 1
+    _assert_close(group.compute_logprobs("", batch), alone.compute_logprobs("", batch))
+    together, version = group.train_step(batch)
+    single, _ = alone.train_step(batch)
+    assert version == 1
+    for key in ("loss", "pg_loss", "grad_norm"):
+        assert together[key] == pytest.approx(single[key], rel=1e-5, abs=1e-6), key
+
+    # Both ranks applied the same update: rank 1's logprobs are part of the next answer, and
+    # rank 0 (the weight source) serves weights equal to the lone trainer's.
+    _assert_close(group.compute_logprobs("", batch), alone.compute_logprobs("", batch))
+    group_weights, alone_weights = _weights(rank0), _weights(alone)
+    for a, b in zip(group_weights, alone_weights):
+        assert torch.allclose(a.view(torch.float32), b.view(torch.float32), atol=1e-6)
+
+    # Every rank sleeps: weights and optimizer state leave both.
+    group.sleep()
+    for client in (rank0, rank1):
+        life = client.status().lifecycle
+        assert life.asleep and life.gpu_bytes_in_use == 0 and life.host_backup_bytes > 0, client.address
+    with pytest.raises(PeerError, match="not the weight source"):
+        rank1.weight_manifest()
+
+
+def test_a_rank_that_dies_mid_step_fails_the_step_and_frees_the_other(trainers, tiny_model_dir):
+    local, (rank0, rank1, _) = trainers
+    group = TrainerGroup([rank0, rank1], timeout_s=10)
+    group.configure(_config(tiny_model_dir))
+    os.kill(local.children[1].process.pid, signal.SIGKILL)
+    started = time.monotonic()
+    with pytest.raises(PeerError) as info:
+        group.train_step(_batch(4))
+    assert info.value.peer in (rank0.address, rank1.address)
+    assert time.monotonic() - started < 60
+    # rank 0 gave up on its collective and answers again; its weights did not move
+    assert rank0.status().step == 0
