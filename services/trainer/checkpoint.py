@@ -17,6 +17,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from services.models import DecoderLM, ModelConfig
 from services.models.checkpoint import TRAINER_STATE_FILE, save_hf_dir
 from services.trainer.host_store import ACTOR
 
@@ -30,31 +31,54 @@ class CheckpointError(ValueError):
 
 
 def save(trainer, path: str, *, include_optimizer: bool) -> Path:
+    """A whole checkpoint of a trainer whose rank holds the whole model (the torch backend)."""
     directory = Path(path)
     trainer.use(ACTOR)
+    begin(directory)
+    write_weights(trainer.model, trainer.model_config, directory, trainer.settings.model_path)
+    extra = save_optimizer(trainer, directory / OPTIMIZER_FILE) if include_optimizer else None
+    finish(trainer, directory, extra)
+    return directory
+
+
+def begin(directory: Path) -> None:
+    """Mark `directory` incomplete until `finish` writes the state file again."""
+    directory.mkdir(parents=True, exist_ok=True)
     (directory / TRAINER_STATE_FILE).unlink(missing_ok=True)
-    save_hf_dir(trainer.model, trainer.model_config, directory)
-    source = Path(trainer.settings.model_path)
+
+
+def write_weights(model: DecoderLM, config: ModelConfig, directory: Path, source: str) -> None:
+    """The Hugging Face folder: config, safetensors and the tokenizer files of the source model."""
+    save_hf_dir(model, config, directory)
+    source_dir = Path(source)
     for name in TOKENIZER_FILES:
-        if (source / name).exists() and source.resolve() != directory.resolve():
-            shutil.copyfile(source / name, directory / name)
-    state = {"format": FORMAT, "step": trainer.step, "weights_version": trainer.weights_version, "optimizer": False}
-    if include_optimizer and trainer.optimizer is not None:
-        opt_state = trainer.optimizer.state_dict()
-        tensors = {
-            f"state.{index}.{key}": value.detach().cpu().contiguous()
-            for index, entries in opt_state["state"].items()
-            for key, value in entries.items()
-            if isinstance(value, torch.Tensor)
-        }
-        save_file(tensors, str(directory / OPTIMIZER_FILE), metadata={"format": FORMAT})
-        state["optimizer"] = True
-        state["param_groups"] = opt_state["param_groups"]
-        state["scheduler_last_epoch"] = trainer.scheduler.last_epoch
+        if (source_dir / name).exists() and source_dir.resolve() != directory.resolve():
+            shutil.copyfile(source_dir / name, directory / name)
+
+
+def save_optimizer(trainer, file: Path) -> dict | None:
+    """Adam's moments of this rank's parameters to `file`; the state entries `finish` records
+    (None in eval-only, which has no optimizer)."""
+    if trainer.optimizer is None:
+        return None
+    opt_state = trainer.optimizer.state_dict()
+    tensors = {
+        f"state.{index}.{key}": value.detach().cpu().contiguous()
+        for index, entries in opt_state["state"].items()
+        for key, value in entries.items()
+        if isinstance(value, torch.Tensor)
+    }
+    save_file(tensors, str(file), metadata={"format": FORMAT})
+    return {"param_groups": opt_state["param_groups"], "scheduler_last_epoch": trainer.scheduler.last_epoch}
+
+
+def finish(trainer, directory: Path, optimizer: dict | None, **extra) -> None:
+    """Write the state file last: a folder without it is an incomplete save."""
+    state = {"format": FORMAT, "step": trainer.step, "weights_version": trainer.weights_version,
+             "optimizer": optimizer is not None, **(optimizer or {}), **extra}
     tmp = directory / (TRAINER_STATE_FILE + ".tmp")
     tmp.write_text(json.dumps(state, indent=2))
     tmp.replace(directory / TRAINER_STATE_FILE)
-    return directory
 
 
 def read_state(path: str) -> dict:
@@ -67,9 +91,9 @@ def read_state(path: str) -> dict:
         raise CheckpointError(f"{state_file}: corrupt trainer state ({e})") from e
 
 
-def load_optimizer(trainer, path: str) -> None:
+def load_optimizer(trainer, path: str, file_name: str = OPTIMIZER_FILE) -> None:
     """Load Adam's state saved by `save`; errors name the file and what is wrong with it."""
-    file = Path(path) / OPTIMIZER_FILE
+    file = Path(path) / file_name
     if not file.exists():
         raise CheckpointError(f"optimizer state: {file} not found (saved without include_optimizer?)")
     state = read_state(path)

@@ -354,15 +354,15 @@ class TorchTrainer:
                     sums[key] = max(sums.get(key, value), value)
                 else:
                     sums[key] = sums.get(key, 0.0) + value * weight
+        self._complete_gradients()
         self.dp.sum_gradients(self.params)
         sums = self.dp.combine_metrics(sums)
         if self.master is not None:
             for p, m in zip(self.params, self.master):
                 m.grad = None if p.grad is None else p.grad.float()
         clip = self.settings.optimizer.grad_clip
-        grad_norm = torch.nn.utils.clip_grad_norm_(
-            self.master if self.master is not None else self.params, clip if clip > 0 else float("inf")
-        )
+        grad_norm = self._clip_gradients(self.master if self.master is not None else self.params,
+                                         clip if clip > 0 else float("inf"))
         sums["grad_norm"] = float(grad_norm)
         if was_asleep:
             sums["wake_s"] = woke_s
@@ -398,6 +398,13 @@ class TorchTrainer:
         self._device_holds = (ACTOR, self.weights_version)
         sums["train_step_s"] = time.perf_counter() - started
         return StepResult(sums, self.weights_version, self.step)
+
+    def _complete_gradients(self) -> None:
+        """Backends whose ranks hold partial gradients of a shared tensor complete them here."""
+
+    def _clip_gradients(self, params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+        """Scale the gradients of `params` (parallel to self.params) to at most `max_norm`; the norm before."""
+        return torch.nn.utils.clip_grad_norm_(params, max_norm)
 
     def _micro_batch_loss(self, batch: PackedBatch, sft: bool) -> tuple[torch.Tensor, dict[str, float]]:
         cfg = self.settings.loss
