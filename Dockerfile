@@ -47,7 +47,7 @@ WORKDIR /opt/rlfleet/src
 COPY pyproject.toml README.m[d] ./
 COPY services ./services
 # hadolint ignore=DL3013
-RUN pip install --no-cache-dir ".[k8s]" \
+RUN pip install --no-cache-dir ".[k8s,megatron]" \
  && rm -rf build ./*.egg-info \
  && python -c "import services.cli, services.coordinator.k8s_discovery"
 COPY examples ./examples

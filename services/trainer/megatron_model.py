@@ -15,7 +15,6 @@ with zero rows that `forward_logits` and `gather_hf_state` cut off again.
 from __future__ import annotations
 
 import enum
-import functools
 import re
 from collections.abc import Sequence
 
@@ -77,11 +76,14 @@ _LAYER_NAME = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
 def init_parallel(tp: int, pp: int, *, seed: int = 0) -> None:
     """Create Megatron's model-parallel groups over the already initialised default group.
 
-    Pipeline parallelism is refused on CPU: megatron-core's schedules and p2p code allocate
-    their buffers with `device="cuda"` / `torch.cuda.current_device()` (e.g.
-    `pipeline_parallel/schedules.py`: `total_num_tokens = torch.zeros([], ..., device="cuda")`),
-    and with tied embeddings `GPTModel.__init__` itself calls `weight.data.cuda()`
-    (`language_module.py`, `setup_embeddings_and_output_layer`).
+    `seed` seeds Megatron's CUDA RNG tracker (used for dropout and init under TP); CUDA only.
+
+    Pipeline parallelism is refused on CPU. In megatron-core 0.16.1 every pipeline schedule
+    allocates `torch.zeros([], dtype=torch.int, device="cuda")` (`pipeline_parallel/schedules.py`
+    lines 596 and 2138) and p2p buffers use `torch.cuda.current_device()`; with tied embeddings
+    `GPTModel.__init__` already fails in `setup_embeddings_and_output_layer` at
+    `weight.data = weight.data.cuda()` (`language_module.py:244`), both with
+    "AssertionError: Torch not compiled with CUDA enabled".
     """
     if tp < 1 or pp < 1:
         raise ValueError(f"tp, pp: must be positive, got tp={tp}, pp={pp}")
@@ -208,16 +210,18 @@ def transformer_config(
         pipeline_dtype=dtype,
         bf16=dtype == torch.bfloat16,
         use_cpu_initialization=device.type == "cpu",
-        # Weights come from load_hf_state; a random init would only cost time.
-        perform_initialization=False,
+        # Kept on although load_hf_state overwrites every weight: Megatron's init functions are
+        # what set the `tensor_model_parallel` / `partition_dim` attributes that its grad-norm
+        # and clipping code read.
+        perform_initialization=True,
     )
 
 
 def build_model(config: ModelConfig, *, dtype: torch.dtype, device: torch.device) -> GPTModel:
-    """This rank's shard of the model, with uninitialised weights (fill them with `load_hf_state`).
+    """This rank's shard of the model, randomly initialised (fill it with `load_hf_state`).
 
-    Megatron places parameters itself: on CPU when `device` is the CPU, else on the current
-    CUDA device, which the caller must have set to `device`.
+    Megatron creates its parallel linears on the CPU when `device` is the CPU, else on the
+    current CUDA device, which the caller must have set to `device`.
     """
     device = torch.device(device)
     if device.type == "cuda" and (device.index or 0) != torch.cuda.current_device():
@@ -249,7 +253,10 @@ def build_model(config: ModelConfig, *, dtype: torch.dtype, device: torch.device
     )
     if device.type == "cpu":
         _keep_rope_on_cpu(model)
-    return model
+    # Megatron's parallel linears are born on the CUDA device in `dtype`, but its torch norms on
+    # the CPU in float32; Megatron-LM moves and casts the whole model afterwards (Float16Module)
+    # too. RoPE's inv_freq is a plain attribute, so it stays float32.
+    return model.to(device=device, dtype=dtype)
 
 
 def _keep_rope_on_cpu(model: GPTModel) -> None:
@@ -288,6 +295,35 @@ def forward_logits(
     if parallel_state.get_tensor_model_parallel_world_size() > 1:
         logits = _GatherVocab.apply(logits, parallel_state.get_tensor_model_parallel_group())
     return logits[..., :vocab_size].float()  # [B, T, V]
+
+
+def finalize_grads(model: GPTModel, config: ModelConfig) -> None:
+    """Complete the gradients that backward leaves partial; call it before clipping or stepping.
+
+    Megatron does this in `finalize_model_grads`, which needs its DDP wrapper (CUDA only):
+    - the q/k layernorm weights are replicated, but each TP rank normalises only its own heads,
+      so each rank holds a partial sum of their gradient (other replicated weights, the
+      layer norms, already have identical full gradients on every TP rank);
+    - with pp > 1 and tied embeddings, the first stage's embedding and the last stage's copy
+      of it each hold part of the gradient.
+    """
+    if config.qk_norm and parallel_state.get_tensor_model_parallel_world_size() > 1:
+        partial = [
+            param.grad
+            for name, param in model.named_parameters()
+            if param.grad is not None and name.endswith(("q_layernorm.weight", "k_layernorm.weight"))
+        ]
+        flat = torch.cat([g.flatten() for g in partial])
+        dist.all_reduce(flat, group=parallel_state.get_tensor_model_parallel_group())
+        for grad, summed in zip(partial, flat.split([g.numel() for g in partial]), strict=True):
+            grad.copy_(summed.view_as(grad))
+    if (
+        config.tie_word_embeddings
+        and parallel_state.get_pipeline_model_parallel_world_size() > 1
+        and parallel_state.is_rank_in_embedding_group()
+    ):
+        weight = model.shared_embedding_or_output_weight()
+        dist.all_reduce(weight.grad, group=parallel_state.get_embedding_group())
 
 
 class _GatherVocab(torch.autograd.Function):

@@ -20,7 +20,7 @@ from services.trainer import checkpoint, losses
 from services.trainer.backend import LifecycleState, StepResult, SyncWeights, TrainerStateError
 from services.trainer.batch import PackedBatch, Sample, micro_batches, pack
 from services.trainer.ranks import DataParallel, world
-from services.trainer.host_store import ACTOR, HostCopy, HostStore
+from services.trainer.host_store import ACTOR, HostStore
 from services.trainer.offload import Offloader
 from services.trainer.settings import SchedulerSettings, TrainerSettings
 from services.weights.apply import named_weights
@@ -116,8 +116,7 @@ class TorchTrainer:
             self.settings.model_path, dtype=parse_dtype(self.settings.dtype), device=self.device
         )
         self.named = dict(named_weights(self.model))
-        rank, size = world()
-        return DataParallel(torch.distributed.group.WORLD if size > 1 else None, self.device)
+        return DataParallel(torch.distributed.group.WORLD if world()[1] > 1 else None, self.device)
 
     @property
     def num_parameters(self) -> int:

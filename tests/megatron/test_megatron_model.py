@@ -138,6 +138,7 @@ def _check_backward() -> None:
         want_loss = token_mean_ce(reference(ids, mask), ids, mask)
         want_loss.backward()
         torch.testing.assert_close(loss, want_loss, atol=1e-6, rtol=1e-6, msg=name)
+        mm.finalize_grads(model, config)
         _assert_replicated_grads_agree(model, name)
         with torch.no_grad():  # gather the gradients by the weights' route
             for param in model.parameters():
@@ -149,7 +150,7 @@ def _check_backward() -> None:
 
 
 def _assert_replicated_grads_agree(model, name: str) -> None:
-    """Without sequence parallelism, norm gradients are already equal on every TP rank."""
+    """After finalize_grads, every replicated weight has the same gradient on every TP rank."""
     group = mm.parallel_state.get_tensor_model_parallel_group()
     for pname, param in model.named_parameters():
         if getattr(param, "tensor_model_parallel", False):

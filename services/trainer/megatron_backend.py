@@ -1,0 +1,189 @@
+"""The megatron trainer backend: a Megatron-core GPTModel split over the trainer ranks.
+
+The ranks of a trainer group are tensor-parallel x pipeline-parallel shards of one model, data
+parallel beyond that. Everything that is not the model comes from the torch backend it extends:
+the memory lifecycle (sleep, wake, tags, host store of this rank's shards), micro-batching, the
+shared losses (`services/trainer/losses.py`), the optimizer and the schedule. What differs:
+
+- the model is built and loaded through `megatron_model` (Hugging Face names in, shards out);
+- the gradient norm sums tensor-parallel shards and counts replicated tensors once;
+- after every change of weights all ranks gather the Hugging Face weights onto rank 0's
+  `export` host copy, which every weight sync and `GetWeights` reads: engines cannot tell which
+  backend sent them, and a sync needs no collective among the trainer ranks;
+- checkpoints are Hugging Face folders written by rank 0, plus one optimizer file per rank.
+
+On CPU (gloo, megatron-core 0.16) the optimizer is torch's AdamW: Megatron's distributed
+optimizer and DDP allocate CUDA buffers. Pipeline parallelism needs CUDA (see
+`megatron_model.init_parallel`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+
+from services.models import DecoderLM, load_hf_dir
+from services.trainer import checkpoint, megatron_model
+from services.trainer.backend import SyncWeights
+from services.trainer.batch import PackedBatch, Sample
+from services.trainer.host_store import ACTOR, HostStore
+from services.trainer.ranks import DataParallel, RankError, world
+from services.trainer.torch_backend import TorchTrainer
+from services.weights.buckets import parse_dtype
+
+log = logging.getLogger("rlfleet.trainer")
+
+
+class MegatronTrainer(TorchTrainer):
+    def __init__(self, settings):
+        if "old_actor" in settings.tags:
+            raise ValueError("tags: old_actor is not supported by the megatron backend yet")
+        self._own_group = False
+        self.export: HostStore | None = None  # rank 0: the Hugging Face weights every sync reads
+        self._exported = -1  # the weights version last gathered (every rank knows it: no rank skips a gather)
+        super().__init__(settings)
+        self._export()
+
+    def _build_model(self) -> DataParallel:
+        s = self.settings
+        if not dist.is_initialized():  # one rank: Megatron still wants a default group
+            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+            self._own_group = True
+        megatron_model.init_parallel(s.tensor_parallel, s.pipeline_parallel, seed=s.seed)
+        dtype = parse_dtype(s.dtype)
+        self.model_config, hf_model = load_hf_dir(s.model_path, dtype=dtype, device="cpu")
+        self.model = megatron_model.build_model(self.model_config, dtype=dtype, device=self.device)
+        megatron_model.load_hf_state(self.model, hf_model.state_dict(), self.model_config)
+        del hf_model
+        self.named = dict(self.model.named_parameters())
+        dp_size = parallel_state.get_data_parallel_world_size()
+        log.info("megatron: rank %d of %d, tensor parallel %d, pipeline parallel %d, data parallel %d",
+                 world()[0], world()[1], s.tensor_parallel, s.pipeline_parallel, dp_size)
+        return DataParallel(parallel_state.get_data_parallel_group() if dp_size > 1 else None, self.device)
+
+    def close(self) -> None:
+        super().close()
+        if self.export is not None:
+            self.export.close()
+        megatron_model.destroy_parallel()
+        if self._own_group:
+            dist.destroy_process_group()
+
+    # ---- compute -----------------------------------------------------------------------------
+    def _forward(self, batch: PackedBatch) -> torch.Tensor:
+        logits = megatron_model.forward_logits(self.model, batch.input_ids, batch.attention_mask,
+                                               vocab_size=self.model_config.vocab_size)  # [B, T, V]
+        return logits[:, :-1].float()
+
+    def _complete_gradients(self) -> None:
+        megatron_model.finalize_grads(self.model, self.model_config)
+
+    def _clip_gradients(self, params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+        """torch's clip_grad_norm_ over the whole model: tensor-parallel shards add up across the
+        tensor group, replicated tensors (norms) count once, pipeline stages add up."""
+        sharded = torch.zeros((), dtype=torch.float32, device=self.device)
+        replicated = torch.zeros((), dtype=torch.float32, device=self.device)
+        for owner, p in zip(self.params, params):
+            if p.grad is None:
+                continue
+            square = p.grad.detach().float().pow(2).sum()
+            if getattr(owner, "tensor_model_parallel", False):
+                sharded += square
+            else:
+                replicated += square
+        try:
+            if parallel_state.get_tensor_model_parallel_world_size() > 1:
+                dist.all_reduce(sharded, group=parallel_state.get_tensor_model_parallel_group())
+            total = sharded + replicated
+            if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+                dist.all_reduce(total, group=parallel_state.get_pipeline_model_parallel_group())
+        except RuntimeError as e:
+            raise RankError(f"ranks: the gradient-norm all-reduce failed (a rank died or stalled): {e}") from e
+        norm = total.sqrt()
+        scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        for p in params:
+            if p.grad is not None:
+                p.grad.mul_(scale.to(p.grad.dtype))
+        return norm
+
+    def train_step(self, samples: list[Sample], *, sft: bool = False, lr: float | None = None):
+        result = super().train_step(samples, sft=sft, lr=lr)
+        self._export()
+        return result
+
+    # ---- weights for sync --------------------------------------------------------------------
+    def _export(self) -> None:
+        """Gather the Hugging Face weights onto rank 0's export copy (a collective: every rank
+        calls it at the same point of the same call)."""
+        if self._exported == self.weights_version:
+            return
+        self.use(ACTOR)
+        state = megatron_model.gather_hf_state(self.model, self.model_config)
+        self._exported = self.weights_version
+        if state is None:
+            return
+        if self.export is None:
+            self.export = HostStore(list(state.items()), self.settings.bucket_bytes, share=self._shared_tags())
+        self.export.capture(ACTOR, state, self.weights_version)
+
+    def weights_for_sync(self) -> SyncWeights | None:
+        """Rank 0's export copy, awake or asleep: the last trained weights in Hugging Face names."""
+        if self.export is None:
+            return None
+        return SyncWeights("host", self.export.get(ACTOR), self.export.layout, None)
+
+    def lifecycle(self):
+        state = super().lifecycle()
+        if self.export is None:
+            return state
+        return dataclasses.replace(state, host_backup_bytes=state.host_backup_bytes + self.export.nbytes)
+
+    # ---- checkpoints -------------------------------------------------------------------------
+    def _optimizer_file(self) -> str:
+        rank, size = world()
+        return f"optimizer.rank-{rank:05d}-of-{size:05d}.safetensors"
+
+    def save_checkpoint(self, path: str, *, include_optimizer: bool) -> None:
+        """Rank 0 writes the Hugging Face folder, every rank its optimizer shard, rank 0 the state
+        file last (after a barrier: the folder is complete only when every rank's part is in)."""
+        directory = Path(path)
+        self.use(ACTOR)
+        state = megatron_model.gather_hf_state(self.model, self.model_config)
+        if state is not None:
+            checkpoint.begin(directory)
+            with torch.device("meta"):
+                model = DecoderLM(self.model_config)
+            model.load_state_dict(state, strict=True, assign=True)
+            checkpoint.write_weights(model, self.model_config, directory, self.settings.model_path)
+        dist.barrier()
+        extra = checkpoint.save_optimizer(self, directory / self._optimizer_file()) if include_optimizer else None
+        dist.barrier()
+        if state is not None:
+            checkpoint.finish(self, directory, extra, ranks=world()[1], tensor_parallel=self.settings.tensor_parallel,
+                              pipeline_parallel=self.settings.pipeline_parallel)
+
+    def load_checkpoint(self, path: str, *, load_optimizer: bool) -> None:
+        """Every rank loads its shards from the Hugging Face folder (and its optimizer shard)."""
+        self.use(ACTOR)
+        config, loaded = load_hf_dir(path, dtype=parse_dtype(self.settings.dtype), device="cpu")
+        if config.to_hf_dict() | {"torch_dtype": None, "dtype": None} != \
+                self.model_config.to_hf_dict() | {"torch_dtype": None, "dtype": None}:
+            raise checkpoint.CheckpointError(f"checkpoint {path}: its config.json is not this model's")
+        state = checkpoint.read_state(path)
+        if load_optimizer and self.optimizer is not None:
+            checkpoint.load_optimizer(self, path, self._optimizer_file())
+        with torch.no_grad():
+            megatron_model.load_hf_state(self.model, loaded.state_dict(), self.model_config)
+            for p, m in zip(self.params, self.master or []):
+                m.copy_(p)
+        self.step, self.weights_version = int(state["step"]), int(state["weights_version"])
+        self._device_holds = (ACTOR, self.weights_version)
+        if self.store is not None:
+            self.store.invalidate(ACTOR)
+        self._exported = -1  # same version number, other weights: gather again
+        self._export()
