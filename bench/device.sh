@@ -4,7 +4,7 @@
 #   bash bench/device.sh engine-tests sweep
 set -uo pipefail
 export PYTHONUNBUFFERED=1 RLFLEET_COMMIT=${RLFLEET_COMMIT:-unknown}
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl $(ls .whl-mcore/*.whl 2>/dev/null) || exit 1
 export PYTHONPATH=/tmp/site:$PWD
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
