@@ -103,6 +103,14 @@ def measure(backend: str, model_dir: Path, samples: list[Sample], args) -> dict:
             log(f"{backend}: step {i + 1}/{args.warmup + args.steps}: {time.perf_counter() - started:.2f} s "
                 f"(loss {metrics['loss']:.4f})")
         peak_mem = torch.cuda.max_memory_allocated() / 2**30
+        if args.profile:  # where one more step's time goes, by kernel
+            from torch.profiler import ProfilerActivity, profile
+
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                trainer.train_step(samples)
+                torch.cuda.synchronize()
+            print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60),
+                  file=sys.stderr, flush=True)
     finally:
         trainer.close()
         del trainer
@@ -143,6 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--micro-batch", type=int, default=4)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--profile", action="store_true", help="print a kernel profile of one more step")
     parser.add_argument("--json", action="store_true", help="(the lines are JSON either way)")
     parser.add_argument("--out", type=Path)
     parser.add_argument("--png", type=Path)
