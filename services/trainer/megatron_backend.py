@@ -7,9 +7,12 @@ shared losses (`services/trainer/losses.py`), the optimizer and the schedule. Wh
 
 - the model is built and loaded through `megatron_model` (Hugging Face names in, shards out);
 - the gradient norm sums tensor-parallel shards and counts replicated tensors once;
-- after every change of weights all ranks gather the Hugging Face weights onto rank 0's
-  `export` host copy, which every weight sync and `GetWeights` reads: engines cannot tell which
-  backend sent them, and a sync needs no collective among the trainer ranks;
+- the Hugging Face weights are gathered onto rank 0's `export` host copy, which every weight
+  sync and `GetWeights` reads: engines cannot tell which backend sent them, and a sync needs no
+  collective among the trainer ranks. When the model is split (tensor or pipeline parallel) the
+  gather is a collective, so every rank takes part at the end of each step; when rank 0 holds
+  the whole model it gathers alone, only when a sync or a sleep needs it (a step then pays
+  nothing for a copy no one reads: about 0.15 s a step for 1.5B parameters on an H200);
 - checkpoints are Hugging Face folders written by rank 0, plus one optimizer file per rank.
 
 On CPU (gloo, megatron-core 0.16) the optimizer is torch's AdamW: Megatron's distributed
@@ -47,7 +50,9 @@ class MegatronTrainer(TorchTrainer):
         self.export: HostStore | None = None  # rank 0: the Hugging Face weights every sync reads
         self._exported = -1  # the weights version last gathered (every rank knows it: no rank skips a gather)
         super().__init__(settings)
-        self._export()
+        self._split = self.settings.tensor_parallel * self.settings.pipeline_parallel > 1
+        if self._split:
+            self._export()
 
     def _build_model(self) -> DataParallel:
         s = self.settings
@@ -113,8 +118,14 @@ class MegatronTrainer(TorchTrainer):
 
     def train_step(self, samples: list[Sample], *, sft: bool = False, lr: float | None = None):
         result = super().train_step(samples, sft=sft, lr=lr)
-        self._export()
+        if self._split:
+            self._export()
         return result
+
+    def sleep(self):
+        if not self._split and not self.asleep:
+            self._export()  # the last chance: asleep, the live weights are gone
+        return super().sleep()
 
     # ---- weights for sync --------------------------------------------------------------------
     def _export(self) -> None:
@@ -133,6 +144,8 @@ class MegatronTrainer(TorchTrainer):
 
     def weights_for_sync(self) -> SyncWeights | None:
         """Rank 0's export copy, awake or asleep: the last trained weights in Hugging Face names."""
+        if not self._split and self.rank == 0:
+            self._export()  # rank 0 holds the whole model: gather it now, alone (a no-op when current)
         if self.export is None:
             return None
         return SyncWeights("host", self.export.get(ACTOR), self.export.layout, None)
@@ -186,4 +199,5 @@ class MegatronTrainer(TorchTrainer):
         if self.store is not None:
             self.store.invalidate(ACTOR)
         self._exported = -1  # same version number, other weights: gather again
-        self._export()
+        if self._split:
+            self._export()

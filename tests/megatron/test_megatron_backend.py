@@ -140,3 +140,32 @@ def test_eval_only_megatron_builds_no_optimizer(trainers, model_dir):
     assert not status.has_optimizer and not status.has_scheduler
     with pytest.raises(PeerError, match="eval_only"):
         TrainerGroup([rank0, rank1]).train_step(_batch(2))
+
+
+def test_one_rank_gathers_only_when_a_sync_or_a_sleep_needs_it(model_dir):
+    """Unsplit, rank 0 gathers the Hugging Face weights lazily; a sync while asleep still reads
+    exactly the weights of the last step."""
+    from services.trainer.batch import Sample
+    from services.trainer.megatron_backend import MegatronTrainer
+    from services.trainer.settings import OptimizerSettings, TrainerSettings
+
+    trainer = MegatronTrainer(TrainerSettings(model_path=str(model_dir), backend="megatron", offload=True,
+                                              optimizer=OptimizerSettings(lr=1e-2)))
+    try:
+        samples = [Sample(prompt_ids=[3, 4, 5], response_ids=[6, 7], advantages=[1.0, -0.5])] * 3
+        trainer.train_step(samples)
+        assert trainer.export is None  # no sync asked yet: nothing gathered
+        expected = {k: v.detach().clone() for k, v in trainer.model.named_parameters()}
+        trainer.sleep()
+        sync = trainer.weights_for_sync()
+        assert sync.source == "host" and trainer.export.version("actor") == 1
+        got = sync.weights.views
+        # the fused Megatron tensors were split back: q_proj is the head of linear_qkv's first group
+        qkv = expected["decoder.layers.0.self_attention.linear_qkv.weight"]
+        assert torch.equal(got["model.layers.0.self_attn.q_proj.weight"][:8], qkv[:8])
+        assert torch.equal(got["model.norm.weight"], expected["decoder.final_layernorm.weight"])
+        trainer.wake()
+        trainer.train_step(samples)
+        assert trainer.weights_for_sync().weights.version == 2  # gathered again for the new version
+    finally:
+        trainer.close()
