@@ -110,6 +110,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         self._lock = threading.Lock()
         self._trainer: TrainerBackend | None = None
         self._rank_store = None  # rank 0's rendezvous store, from OpenRankGroup until the group forms
+        self._configuring = threading.Lock()
         self._pusher: WeightPusher | None = None
         self._manifests = ManifestEncoder()  # under self._lock
         self._streams = rpc.Admission(16)  # GetWeights streams at once (each holds a pool thread)
@@ -155,33 +156,44 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
                 self._trainer.close()
 
     def Configure(self, request, context):
-        with self._lock, rpc.abort_on(context, _ERRORS):
-            settings = settings_from_proto(request.config)
-            devices.use(settings.device)
-            if self._pusher is not None:
-                self._pusher.close()
-                self._trainer.close()
-                self._trainer = self._pusher = None
-            self._join_ranks(request.config.ranks, settings)
-            self._trainer = build_backend(settings)
-            self._pusher = WeightPusher(self._trainer)
-            log.info(
-                "configured: %s (%d parameters, %s, eval_only=%s)",
-                settings.model_path, self._trainer.num_parameters, settings.device, settings.eval_only,
-            )
-            return trainer_pb2.ConfigureTrainerResponse(
-                status=self._status(), capabilities=capabilities.local(self._trainer.device)
-            )
+        """Build the backend, after joining the rank group when there is one. The join blocks
+        until every rank is in, so it runs outside the trainer lock: meanwhile other calls are
+        answered (FAILED_PRECONDITION: not configured), and a second Configure is refused."""
+        if not self._configuring.acquire(blocking=False):
+            context.abort(grpc.StatusCode.ABORTED, "Configure: another Configure of this trainer is in progress")
+        try:
+            with rpc.abort_on(context, _ERRORS):
+                settings = settings_from_proto(request.config)
+                devices.use(settings.device)
+                with self._lock:
+                    if self._pusher is not None:
+                        self._pusher.close()
+                        self._trainer.close()
+                        self._trainer = self._pusher = None
+                    store, self._rank_store = self._rank_store, None
+                self._join_ranks(request.config.ranks, settings, store)
+                trainer = build_backend(settings)
+                with self._lock:
+                    self._trainer, self._pusher = trainer, WeightPusher(trainer)
+                    log.info("configured: %s (%s backend, %d parameters, %s, eval_only=%s)", settings.model_path,
+                             settings.backend, trainer.num_parameters, settings.device, settings.eval_only)
+                    return trainer_pb2.ConfigureTrainerResponse(
+                        status=self._status(), capabilities=capabilities.local(trainer.device)
+                    )
+        finally:
+            self._configuring.release()
 
-    def _join_ranks(self, group: trainer_pb2.RankGroup, settings) -> None:
-        """Form (or leave) the trainer group this rank belongs to; blocks until every rank is in."""
+    @staticmethod
+    def _join_ranks(group: trainer_pb2.RankGroup, settings, store) -> None:
+        """Form (or leave) the trainer group this rank belongs to; blocks until every rank is in.
+        `store`: the one OpenRankGroup opened (rank 0 only)."""
         if group.world_size <= 1:
             if group.rank != 0:
                 raise ValueError(f"ranks.rank: {group.rank} in a group of {group.world_size or 1}")
             ranks.leave()
             return
-        store, self._rank_store = (self._rank_store, None) if group.rank == 0 else (None, None)
-        ranks.join(rank=group.rank, world_size=group.world_size, address=group.address, store=store,
+        ranks.join(rank=group.rank, world_size=group.world_size, address=group.address,
+                   store=store if group.rank == 0 else None,
                    backend="nccl" if settings.device.startswith("cuda") else "gloo",
                    timeout_s=rpc.timeout_seconds(group.timeout_s, 600.0))
 

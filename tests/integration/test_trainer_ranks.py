@@ -111,3 +111,34 @@ def test_a_rank_that_dies_mid_step_fails_the_step_and_frees_the_other(trainers, 
     assert time.monotonic() - started < 60
     # rank 0 gave up on its collective and answers again; its weights did not move
     assert rank0.status().step == 0
+
+
+def test_a_rank_whose_peer_never_comes_answers_meanwhile_and_fails_in_the_timeout(trainers, tiny_model_dir):
+    import threading
+
+    _, (rank0, rank1, _) = trainers
+    port = rank0.open_rank_group(2, timeout_s=30)
+    config = _config(tiny_model_dir)
+    config.ranks.CopyFrom(trainer_pb2.RankGroup(rank=1, world_size=2, address=f"127.0.0.1:{port}", timeout_s=4))
+    outcome = {}
+    joining = threading.Thread(target=lambda: outcome.update(error=_error(lambda: rank1.configure(config))))
+    started = time.monotonic()
+    joining.start()
+    time.sleep(1.0)
+    assert not rank1.status().configured  # answered while the join waits for rank 0
+    with pytest.raises(PeerError, match="another Configure"):
+        rank1.configure(_config(tiny_model_dir))
+    joining.join(60)
+    error = outcome["error"]
+    assert error is not None and error.code.name == "UNAVAILABLE" and "rank 1 of 2" in error.details
+    assert time.monotonic() - started < 30
+    rank1.configure(_config(tiny_model_dir))  # alone, it works again
+    assert rank1.status().configured
+
+
+def _error(call):
+    try:
+        call()
+    except PeerError as e:
+        return e
+    return None
