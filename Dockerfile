@@ -3,6 +3,7 @@
 #
 #   docker build -t ghcr.io/rlfleet/rlfleet:0.1.0-cpu .                           # CPU (default)
 #   docker build --build-arg VARIANT=cuda -t ghcr.io/rlfleet/rlfleet:0.1.0-cuda .  # NVIDIA GPUs
+#   docker build --target sglang -t ghcr.io/rlfleet/rlfleet:0.1.0-sglang .         # rollout pods with SGLang
 #
 # Both variants start from the same Python 3.11 base and differ only in the torch wheel: the CPU
 # one comes from PyTorch's CPU index (no CUDA libraries, about 1 GB smaller); the CUDA one is the
@@ -14,6 +15,8 @@
 
 ARG VARIANT=cpu
 ARG PYTHON_IMAGE=python:3.11-slim-bookworm
+# SGLang's own image (CUDA, Python 3.12, its kernels); rlfleet's rollout service is added to it.
+ARG SGLANG_IMAGE=lmsysorg/sglang:v0.5.9-cu129-amd64
 
 FROM ${PYTHON_IMAGE} AS base
 ENV PYTHONDONTWRITEBYTECODE=1 \
@@ -35,6 +38,18 @@ ARG TORCH_INDEX_URL=https://pypi.org/simple
 RUN pip install --no-cache-dir --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}"
 ENV NVIDIA_VISIBLE_DEVICES=all \
     NVIDIA_DRIVER_CAPABILITIES=compute,utility
+
+# Rollout pods of `rollout.engine: sglang`: SGLang's image plus rlfleet, whose rollout service
+# starts `python -m sglang.launch_server` as its child. Never built or run here (no GPU with
+# SGLang's kernels): see docs/sglang.md for what was verified and how.
+# hadolint ignore=DL3006
+FROM ${SGLANG_IMAGE} AS sglang
+WORKDIR /opt/rlfleet/src
+COPY pyproject.toml README.m[d] ./
+COPY services ./services
+# hadolint ignore=DL3013
+RUN pip install --no-cache-dir ".[k8s]" && python -c "import services.cli, services.rollout.sglang.engine"
+ENTRYPOINT ["rlfleet"]
 
 # hadolint ignore=DL3006
 FROM torch-${VARIANT} AS runtime

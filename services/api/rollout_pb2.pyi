@@ -20,7 +20,7 @@ FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_ABORT: FinishReason
 
 class RolloutConfig(_message.Message):
-    __slots__ = ("model_path", "engine", "device", "dtype", "seed", "max_batch_size", "load_weights", "kv_cache_fraction", "cuda_graphs")
+    __slots__ = ("model_path", "engine", "device", "dtype", "seed", "max_batch_size", "load_weights", "kv_cache_fraction", "cuda_graphs", "sglang")
     MODEL_PATH_FIELD_NUMBER: _ClassVar[int]
     ENGINE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
@@ -30,6 +30,7 @@ class RolloutConfig(_message.Message):
     LOAD_WEIGHTS_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_FRACTION_FIELD_NUMBER: _ClassVar[int]
     CUDA_GRAPHS_FIELD_NUMBER: _ClassVar[int]
+    SGLANG_FIELD_NUMBER: _ClassVar[int]
     model_path: str
     engine: str
     device: str
@@ -39,7 +40,24 @@ class RolloutConfig(_message.Message):
     load_weights: bool
     kv_cache_fraction: float
     cuda_graphs: bool
-    def __init__(self, model_path: _Optional[str] = ..., engine: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., seed: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., load_weights: _Optional[bool] = ..., kv_cache_fraction: _Optional[float] = ..., cuda_graphs: _Optional[bool] = ...) -> None: ...
+    sglang: SglangConfig
+    def __init__(self, model_path: _Optional[str] = ..., engine: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., seed: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., load_weights: _Optional[bool] = ..., kv_cache_fraction: _Optional[float] = ..., cuda_graphs: _Optional[bool] = ..., sglang: _Optional[_Union[SglangConfig, _Mapping]] = ...) -> None: ...
+
+class SglangConfig(_message.Message):
+    __slots__ = ("url", "args", "command", "startup_timeout_s", "memory_saver", "request_timeout_s")
+    URL_FIELD_NUMBER: _ClassVar[int]
+    ARGS_FIELD_NUMBER: _ClassVar[int]
+    COMMAND_FIELD_NUMBER: _ClassVar[int]
+    STARTUP_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_SAVER_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    url: str
+    args: _containers.RepeatedScalarFieldContainer[str]
+    command: _containers.RepeatedScalarFieldContainer[str]
+    startup_timeout_s: float
+    memory_saver: bool
+    request_timeout_s: float
+    def __init__(self, url: _Optional[str] = ..., args: _Optional[_Iterable[str]] = ..., command: _Optional[_Iterable[str]] = ..., startup_timeout_s: _Optional[float] = ..., memory_saver: _Optional[bool] = ..., request_timeout_s: _Optional[float] = ...) -> None: ...
 
 class ConfigureRolloutRequest(_message.Message):
     __slots__ = ("config", "request_id")

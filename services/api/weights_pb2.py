@@ -24,17 +24,17 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18rlfleet/v1/weights.proto\x12\nrlfleet.v1\"X\n\nTensorSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x0e\n\x06offset\x18\x04 \x01(\x03\x12\x0e\n\x06nbytes\x18\x05 \x01(\x03\"t\n\x06\x42ucket\x12\r\n\x05index\x18\x01 \x01(\x05\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\'\n\x07tensors\x18\x03 \x03(\x0b\x32\x16.rlfleet.v1.TensorSpec\x12\x0e\n\x06nbytes\x18\x04 \x01(\x03\x12\x13\n\x0b\x66ingerprint\x18\x05 \x01(\t\"\x85\x01\n\x0eWeightManifest\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x0e\n\x06source\x18\x02 \x01(\t\x12#\n\x07\x62uckets\x18\x03 \x03(\x0b\x32\x12.rlfleet.v1.Bucket\x12\x13\n\x0btotal_bytes\x18\x04 \x01(\x03\x12\x18\n\x10\x66ingerprint_algo\x18\x05 \x01(\t\";\n\x0bWeightChunk\x12\x0e\n\x06\x62ucket\x18\x01 \x01(\x05\x12\x0e\n\x06offset\x18\x02 \x01(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"1\n\x0fTrainerEndpoint\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\r\n\x05token\x18\x02 \x01(\t\"7\n\x0f\x42roadcastSource\x12\x12\n\ngroup_name\x18\x01 \x01(\t\x12\x10\n\x08src_rank\x18\x02 \x01(\x05\"\"\n\tShmSource\x12\x15\n\rsegment_names\x18\x01 \x03(\t\"\x93\x02\n\rCudaIpcHandle\x12\x0e\n\x06\x62ucket\x18\x01 \x01(\x05\x12\x10\n\x08gpu_uuid\x18\x02 \x01(\t\x12\x14\n\x0c\x64\x65vice_index\x18\x03 \x01(\x05\x12\x0e\n\x06handle\x18\x04 \x01(\x0c\x12\x1a\n\x12storage_size_bytes\x18\x05 \x01(\x03\x12\x1c\n\x14storage_offset_bytes\x18\x06 \x01(\x03\x12\x1a\n\x12ref_counter_handle\x18\x07 \x01(\x0c\x12\x1a\n\x12ref_counter_offset\x18\x08 \x01(\x03\x12\x14\n\x0c\x65vent_handle\x18\t \x01(\x0c\x12\x1b\n\x13\x65vent_sync_required\x18\n \x01(\x08\x12\x15\n\rtensor_offset\x18\x0b \x01(\x03\";\n\rCudaIpcSource\x12*\n\x07handles\x18\x01 \x03(\x0b\x32\x19.rlfleet.v1.CudaIpcHandle\"w\n\x0c\x43\x61pabilities\x12\x0f\n\x07host_id\x18\x01 \x01(\t\x12\x11\n\tgpu_uuids\x18\x02 \x03(\t\x12\'\n\x06planes\x18\x03 \x03(\x0e\x32\x17.rlfleet.v1.WeightPlane\x12\x1a\n\x12\x62roadcast_backends\x18\x04 \x03(\t\"\xac\x01\n\x1cInitWeightUpdateGroupRequest\x12\x16\n\x0emaster_address\x18\x01 \x01(\t\x12\x13\n\x0bmaster_port\x18\x02 \x01(\x05\x12\x13\n\x0brank_offset\x18\x03 \x01(\x05\x12\x12\n\nworld_size\x18\x04 \x01(\x05\x12\x12\n\ngroup_name\x18\x05 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x06 \x01(\t\x12\x11\n\ttimeout_s\x18\x07 \x01(\x01\"V\n\x1dInitWeightUpdateGroupResponse\x12\x0f\n\x07success\x18\x01 \x01(\x08\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x13\n\x0bmaster_port\x18\x03 \x01(\x05\"5\n\x1f\x44\x65stroyWeightUpdateGroupRequest\x12\x12\n\ngroup_name\x18\x01 \x01(\t\"D\n DestroyWeightUpdateGroupResponse\x12\x0f\n\x07success\x18\x01 \x01(\x08\x12\x0f\n\x07message\x18\x02 \x01(\t*\x96\x01\n\x0bWeightPlane\x12\x1c\n\x18WEIGHT_PLANE_UNSPECIFIED\x10\x00\x12\x1c\n\x18WEIGHT_PLANE_GRPC_STREAM\x10\x01\x12\x1a\n\x16WEIGHT_PLANE_BROADCAST\x10\x02\x12\x19\n\x15WEIGHT_PLANE_CUDA_IPC\x10\x03\x12\x14\n\x10WEIGHT_PLANE_SHM\x10\x04*]\n\nVerifyMode\x12\x1b\n\x17VERIFY_MODE_UNSPECIFIED\x10\x00\x12\x1b\n\x17VERIFY_MODE_FINGERPRINT\x10\x01\x12\x15\n\x11VERIFY_MODE_EXACT\x10\x02\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18rlfleet/v1/weights.proto\x12\nrlfleet.v1\"X\n\nTensorSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x0e\n\x06offset\x18\x04 \x01(\x03\x12\x0e\n\x06nbytes\x18\x05 \x01(\x03\"t\n\x06\x42ucket\x12\r\n\x05index\x18\x01 \x01(\x05\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\'\n\x07tensors\x18\x03 \x03(\x0b\x32\x16.rlfleet.v1.TensorSpec\x12\x0e\n\x06nbytes\x18\x04 \x01(\x03\x12\x13\n\x0b\x66ingerprint\x18\x05 \x01(\t\"\x85\x01\n\x0eWeightManifest\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x0e\n\x06source\x18\x02 \x01(\t\x12#\n\x07\x62uckets\x18\x03 \x03(\x0b\x32\x12.rlfleet.v1.Bucket\x12\x13\n\x0btotal_bytes\x18\x04 \x01(\x03\x12\x18\n\x10\x66ingerprint_algo\x18\x05 \x01(\t\";\n\x0bWeightChunk\x12\x0e\n\x06\x62ucket\x18\x01 \x01(\x05\x12\x0e\n\x06offset\x18\x02 \x01(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"1\n\x0fTrainerEndpoint\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\r\n\x05token\x18\x02 \x01(\t\"G\n\x0f\x42roadcastSource\x12\x12\n\ngroup_name\x18\x01 \x01(\t\x12\x10\n\x08src_rank\x18\x02 \x01(\x05\x12\x0e\n\x06packed\x18\x03 \x01(\x08\"\"\n\tShmSource\x12\x15\n\rsegment_names\x18\x01 \x03(\t\"\x93\x02\n\rCudaIpcHandle\x12\x0e\n\x06\x62ucket\x18\x01 \x01(\x05\x12\x10\n\x08gpu_uuid\x18\x02 \x01(\t\x12\x14\n\x0c\x64\x65vice_index\x18\x03 \x01(\x05\x12\x0e\n\x06handle\x18\x04 \x01(\x0c\x12\x1a\n\x12storage_size_bytes\x18\x05 \x01(\x03\x12\x1c\n\x14storage_offset_bytes\x18\x06 \x01(\x03\x12\x1a\n\x12ref_counter_handle\x18\x07 \x01(\x0c\x12\x1a\n\x12ref_counter_offset\x18\x08 \x01(\x03\x12\x14\n\x0c\x65vent_handle\x18\t \x01(\x0c\x12\x1b\n\x13\x65vent_sync_required\x18\n \x01(\x08\x12\x15\n\rtensor_offset\x18\x0b \x01(\x03\";\n\rCudaIpcSource\x12*\n\x07handles\x18\x01 \x03(\x0b\x32\x19.rlfleet.v1.CudaIpcHandle\"\xaa\x01\n\x0c\x43\x61pabilities\x12\x0f\n\x07host_id\x18\x01 \x01(\t\x12\x11\n\tgpu_uuids\x18\x02 \x03(\t\x12\'\n\x06planes\x18\x03 \x03(\x0e\x32\x17.rlfleet.v1.WeightPlane\x12\x1a\n\x12\x62roadcast_backends\x18\x04 \x03(\t\x12\x18\n\x10packed_broadcast\x18\x05 \x01(\x08\x12\x17\n\x0f\x62roadcast_ranks\x18\x06 \x01(\x05\"\xac\x01\n\x1cInitWeightUpdateGroupRequest\x12\x16\n\x0emaster_address\x18\x01 \x01(\t\x12\x13\n\x0bmaster_port\x18\x02 \x01(\x05\x12\x13\n\x0brank_offset\x18\x03 \x01(\x05\x12\x12\n\nworld_size\x18\x04 \x01(\x05\x12\x12\n\ngroup_name\x18\x05 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x06 \x01(\t\x12\x11\n\ttimeout_s\x18\x07 \x01(\x01\"V\n\x1dInitWeightUpdateGroupResponse\x12\x0f\n\x07success\x18\x01 \x01(\x08\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x13\n\x0bmaster_port\x18\x03 \x01(\x05\"5\n\x1f\x44\x65stroyWeightUpdateGroupRequest\x12\x12\n\ngroup_name\x18\x01 \x01(\t\"D\n DestroyWeightUpdateGroupResponse\x12\x0f\n\x07success\x18\x01 \x01(\x08\x12\x0f\n\x07message\x18\x02 \x01(\t*\x96\x01\n\x0bWeightPlane\x12\x1c\n\x18WEIGHT_PLANE_UNSPECIFIED\x10\x00\x12\x1c\n\x18WEIGHT_PLANE_GRPC_STREAM\x10\x01\x12\x1a\n\x16WEIGHT_PLANE_BROADCAST\x10\x02\x12\x19\n\x15WEIGHT_PLANE_CUDA_IPC\x10\x03\x12\x14\n\x10WEIGHT_PLANE_SHM\x10\x04*]\n\nVerifyMode\x12\x1b\n\x17VERIFY_MODE_UNSPECIFIED\x10\x00\x12\x1b\n\x17VERIFY_MODE_FINGERPRINT\x10\x01\x12\x15\n\x11VERIFY_MODE_EXACT\x10\x02\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'rlfleet.v1.weights_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_WEIGHTPLANE']._serialized_start=1438
-  _globals['_WEIGHTPLANE']._serialized_end=1588
-  _globals['_VERIFYMODE']._serialized_start=1590
-  _globals['_VERIFYMODE']._serialized_end=1683
+  _globals['_WEIGHTPLANE']._serialized_start=1506
+  _globals['_WEIGHTPLANE']._serialized_end=1656
+  _globals['_VERIFYMODE']._serialized_start=1658
+  _globals['_VERIFYMODE']._serialized_end=1751
   _globals['_TENSORSPEC']._serialized_start=40
   _globals['_TENSORSPEC']._serialized_end=128
   _globals['_BUCKET']._serialized_start=130
@@ -46,21 +46,21 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TRAINERENDPOINT']._serialized_start=445
   _globals['_TRAINERENDPOINT']._serialized_end=494
   _globals['_BROADCASTSOURCE']._serialized_start=496
-  _globals['_BROADCASTSOURCE']._serialized_end=551
-  _globals['_SHMSOURCE']._serialized_start=553
-  _globals['_SHMSOURCE']._serialized_end=587
-  _globals['_CUDAIPCHANDLE']._serialized_start=590
-  _globals['_CUDAIPCHANDLE']._serialized_end=865
-  _globals['_CUDAIPCSOURCE']._serialized_start=867
-  _globals['_CUDAIPCSOURCE']._serialized_end=926
-  _globals['_CAPABILITIES']._serialized_start=928
-  _globals['_CAPABILITIES']._serialized_end=1047
-  _globals['_INITWEIGHTUPDATEGROUPREQUEST']._serialized_start=1050
-  _globals['_INITWEIGHTUPDATEGROUPREQUEST']._serialized_end=1222
-  _globals['_INITWEIGHTUPDATEGROUPRESPONSE']._serialized_start=1224
-  _globals['_INITWEIGHTUPDATEGROUPRESPONSE']._serialized_end=1310
-  _globals['_DESTROYWEIGHTUPDATEGROUPREQUEST']._serialized_start=1312
-  _globals['_DESTROYWEIGHTUPDATEGROUPREQUEST']._serialized_end=1365
-  _globals['_DESTROYWEIGHTUPDATEGROUPRESPONSE']._serialized_start=1367
-  _globals['_DESTROYWEIGHTUPDATEGROUPRESPONSE']._serialized_end=1435
+  _globals['_BROADCASTSOURCE']._serialized_end=567
+  _globals['_SHMSOURCE']._serialized_start=569
+  _globals['_SHMSOURCE']._serialized_end=603
+  _globals['_CUDAIPCHANDLE']._serialized_start=606
+  _globals['_CUDAIPCHANDLE']._serialized_end=881
+  _globals['_CUDAIPCSOURCE']._serialized_start=883
+  _globals['_CUDAIPCSOURCE']._serialized_end=942
+  _globals['_CAPABILITIES']._serialized_start=945
+  _globals['_CAPABILITIES']._serialized_end=1115
+  _globals['_INITWEIGHTUPDATEGROUPREQUEST']._serialized_start=1118
+  _globals['_INITWEIGHTUPDATEGROUPREQUEST']._serialized_end=1290
+  _globals['_INITWEIGHTUPDATEGROUPRESPONSE']._serialized_start=1292
+  _globals['_INITWEIGHTUPDATEGROUPRESPONSE']._serialized_end=1378
+  _globals['_DESTROYWEIGHTUPDATEGROUPREQUEST']._serialized_start=1380
+  _globals['_DESTROYWEIGHTUPDATEGROUPREQUEST']._serialized_end=1433
+  _globals['_DESTROYWEIGHTUPDATEGROUPRESPONSE']._serialized_start=1435
+  _globals['_DESTROYWEIGHTUPDATEGROUPRESPONSE']._serialized_end=1503
 # @@protoc_insertion_point(module_scope)

@@ -90,12 +90,14 @@ class TrainerEndpoint(_message.Message):
     def __init__(self, address: _Optional[str] = ..., token: _Optional[str] = ...) -> None: ...
 
 class BroadcastSource(_message.Message):
-    __slots__ = ("group_name", "src_rank")
+    __slots__ = ("group_name", "src_rank", "packed")
     GROUP_NAME_FIELD_NUMBER: _ClassVar[int]
     SRC_RANK_FIELD_NUMBER: _ClassVar[int]
+    PACKED_FIELD_NUMBER: _ClassVar[int]
     group_name: str
     src_rank: int
-    def __init__(self, group_name: _Optional[str] = ..., src_rank: _Optional[int] = ...) -> None: ...
+    packed: bool
+    def __init__(self, group_name: _Optional[str] = ..., src_rank: _Optional[int] = ..., packed: _Optional[bool] = ...) -> None: ...
 
 class ShmSource(_message.Message):
     __slots__ = ("segment_names",)
@@ -136,16 +138,20 @@ class CudaIpcSource(_message.Message):
     def __init__(self, handles: _Optional[_Iterable[_Union[CudaIpcHandle, _Mapping]]] = ...) -> None: ...
 
 class Capabilities(_message.Message):
-    __slots__ = ("host_id", "gpu_uuids", "planes", "broadcast_backends")
+    __slots__ = ("host_id", "gpu_uuids", "planes", "broadcast_backends", "packed_broadcast", "broadcast_ranks")
     HOST_ID_FIELD_NUMBER: _ClassVar[int]
     GPU_UUIDS_FIELD_NUMBER: _ClassVar[int]
     PLANES_FIELD_NUMBER: _ClassVar[int]
     BROADCAST_BACKENDS_FIELD_NUMBER: _ClassVar[int]
+    PACKED_BROADCAST_FIELD_NUMBER: _ClassVar[int]
+    BROADCAST_RANKS_FIELD_NUMBER: _ClassVar[int]
     host_id: str
     gpu_uuids: _containers.RepeatedScalarFieldContainer[str]
     planes: _containers.RepeatedScalarFieldContainer[WeightPlane]
     broadcast_backends: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, host_id: _Optional[str] = ..., gpu_uuids: _Optional[_Iterable[str]] = ..., planes: _Optional[_Iterable[_Union[WeightPlane, str]]] = ..., broadcast_backends: _Optional[_Iterable[str]] = ...) -> None: ...
+    packed_broadcast: bool
+    broadcast_ranks: int
+    def __init__(self, host_id: _Optional[str] = ..., gpu_uuids: _Optional[_Iterable[str]] = ..., planes: _Optional[_Iterable[_Union[WeightPlane, str]]] = ..., broadcast_backends: _Optional[_Iterable[str]] = ..., packed_broadcast: _Optional[bool] = ..., broadcast_ranks: _Optional[int] = ...) -> None: ...
 
 class InitWeightUpdateGroupRequest(_message.Message):
     __slots__ = ("master_address", "master_port", "rank_offset", "world_size", "group_name", "backend", "timeout_s")

@@ -86,6 +86,35 @@ class SamplingConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class SglangConfig:
+    """An SGLang server per rollout engine (rollout.engine: sglang).
+
+    Attributes:
+        url: attach to this running server (http://host:port); null starts one per engine as a
+            child of the rollout service (python -m sglang.launch_server, loopback only, with a
+            random API key).
+        args: extra launch_server arguments, e.g. [--tp, "2", --mem-fraction-static, "0.7"].
+        command: the launcher; empty = [python, -m, sglang.launch_server].
+        startup_timeout_s: how long a child may take to answer /health_generate.
+        memory_saver: --enable-memory-saver and --enable-weights-cpu-backup (colocated jobs).
+        request_timeout_s: an HTTP call's timeout (generation included).
+    """
+
+    url: str | None = None
+    args: tuple[str, ...] = ()
+    command: tuple[str, ...] = ()
+    startup_timeout_s: float = 600.0
+    memory_saver: bool = False
+    request_timeout_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        for name in ("startup_timeout_s", "request_timeout_s"):
+            value = getattr(self, name)
+            _check(value == value and 0 < value <= 86400, name, f"must be seconds in (0, 86400], got {value}")
+        _check("--api-key" not in self.args, "args", "--api-key is set by rlfleet (a random key per child)")
+
+
+@dataclass(frozen=True, kw_only=True)
 class RolloutConfig:
     """What the rollout fleet generates each RL step.
 
@@ -102,6 +131,9 @@ class RolloutConfig:
             KV cache takes (like other engines' memory-utilisation setting); the cache and the
             decode graphs are freed whenever the engine releases its memory (colocate).
         cuda_graphs: replay each decode step as a captured CUDA graph (GPU engines).
+        engine: torch (the built-in engine) or sglang (an SGLang server per engine, driven over
+            its HTTP API; weights reach it by broadcast only).
+        sglang: the SGLang servers (engine sglang).
     """
 
     prompts_per_step: int = 16
@@ -112,6 +144,8 @@ class RolloutConfig:
     max_batch_size: int = 256
     kv_cache_fraction: float = 0.5
     cuda_graphs: bool = True
+    engine: Literal["torch", "sglang"] = "torch"
+    sglang: SglangConfig = field(default_factory=SglangConfig)
 
     def __post_init__(self) -> None:
         _check(self.prompts_per_step >= 1, "prompts_per_step", f"must be >= 1, got {self.prompts_per_step}")
@@ -502,6 +536,11 @@ class JobConfig:
                 f"must be >= 2 for algorithm.advantage {advantage!r}, whose baseline is the group of "
                 f"samples of one prompt; got {self.rollout.samples_per_prompt}",
             )
+        if self.rollout.engine == "sglang":
+            _check(self.weight_sync.verify != "exact", "weight_sync.verify",
+                   "exact verification reads back what an engine loaded; SGLang exposes no way to (use fingerprint)")
+            _check(self.weight_sync.plane in ("auto", "broadcast"), "weight_sync.plane",
+                   f"SGLang engines take weights by broadcast only, got {self.weight_sync.plane}")
         scheduler = self.trainer.scheduler
         if scheduler.kind != "constant":
             decay_steps = scheduler.total_decay_steps(self.num_rollout)

@@ -159,9 +159,15 @@ class RLLoop:
             )
         exact = self.job.weight_sync.verify == "exact"
         for index, engine in enumerate(self.fleet.engines):
+            sg = self.job.rollout.sglang
             status = engine.configure(rollout_pb2.RolloutConfig(
                 model_path=str(self.job.model),
-                engine="torch",
+                engine=self.job.rollout.engine,
+                sglang=rollout_pb2.SglangConfig(
+                    url=sg.url or "", args=list(sg.args), command=list(sg.command),
+                    startup_timeout_s=sg.startup_timeout_s, memory_saver=sg.memory_saver,
+                    request_timeout_s=sg.request_timeout_s,
+                ),
                 device=self.job.rollout.device_of(index, self.job.trainer.device),
                 dtype=self.job.trainer.dtype,
                 seed=self.job.seed,

@@ -26,6 +26,19 @@ _group_ids = itertools.count(1)
 
 
 def choose_plane(trainer: weights_pb2.Capabilities, engine: weights_pb2.Capabilities, forced: str, who: str) -> str:
+    """The plane for one engine: what its placement allows, among the planes it offers (an
+    SGLang engine takes weights only by broadcast, and on its own GPU by CUDA IPC)."""
+    offered = {name for name, number in PLANES.items() if number in engine.planes} or set(PLANES)
+    plane = _placement_plane(trainer, engine, forced, who)
+    if plane in offered:
+        return plane
+    if forced == "auto" and "broadcast" in offered and plane != "cuda_ipc":
+        return "broadcast"
+    raise ValueError(f"weight_sync.plane: engine {who} takes weights over {', '.join(sorted(offered))}, "
+                     f"not {plane}")
+
+
+def _placement_plane(trainer, engine, forced: str, who: str) -> str:
     shared_gpu = bool(set(trainer.gpu_uuids) & set(engine.gpu_uuids))
     same_host = trainer.host_id == engine.host_id and bool(trainer.host_id)
     both_gpu = bool(trainer.gpu_uuids) and bool(engine.gpu_uuids)
@@ -167,7 +180,11 @@ class WeightSyncer:
             failures.update({self.engines[i].address: f"could not form the broadcast group: {e}" for i in reachable})
             return SyncResult(-1, "", 0, failures=failures)
         manifest = self.trainer.weight_manifest(self._algo(), PLANES["broadcast"], self.timeout_s)
-        source = weights_pb2.BroadcastSource(group_name=group.name, src_rank=0)
+        packed = {bool(self.engine_caps[i].packed_broadcast) for i in reachable}
+        if len(packed) > 1:
+            raise ValueError("rollout.engine: one broadcast group cannot serve engines that take packed buckets "
+                             "(sglang) and engines that take laid-out ones (torch) at once")
+        source = weights_pb2.BroadcastSource(group_name=group.name, src_rank=0, packed=packed.pop())
         push = self._pool.submit(self.trainer.push_weights, PLANES["broadcast"], manifest.version, source,
                                  timeout_s=self.timeout_s)
         updates = self._submit_updates(reachable, manifest, broadcast=source)
@@ -198,12 +215,17 @@ class WeightSyncer:
         self._drop_group()
         name = f"rlfleet-weights-{next(_group_ids)}"
         backend = broadcast_backend(self.trainer_caps, [self.engine_caps[i] for i in members])
-        world = 1 + len(members)
+        # An engine joins with as many ranks as it says (SGLang: one per tensor-parallel GPU),
+        # numbered after the trainer's rank 0 and the engines before it.
+        sizes = [max(1, self.engine_caps[i].broadcast_ranks) for i in members]
+        offsets = [1 + sum(sizes[:k]) for k in range(len(members))]
+        world = 1 + sum(sizes)
         port = self.trainer.init_weight_update_group(name, world, backend, self.timeout_s)
         host = self.trainer.address.rsplit(":", 1)[0]
         joins = [
-            self._pool.submit(self.engines[i].init_weight_update_group, host, port, 1 + k, world, name, backend, self.timeout_s)
-            for k, i in enumerate(members)
+            self._pool.submit(self.engines[i].init_weight_update_group, host, port, offset, world, name, backend,
+                              self.timeout_s)
+            for offset, i in zip(offsets, members)
         ]
         for fut in joins:
             fut.result()

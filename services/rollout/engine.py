@@ -23,6 +23,7 @@ from services.models.checkpoint import checkpoint_step, load_config
 from services.models.decoder import DecoderLM, init_weights, torch_dtype
 from services.rollout.builtin.core import CoreSettings, GenerationCore
 from services.rollout.types import Generation, Sampling
+from services.weights import capabilities
 from services.weights.apply import adoption_plan, load_buckets_into, named_weights
 from services.weights.buckets import Manifest, dtype_name, pack_bucket, parse_dtype, plan_buckets
 from services.weights.errors import WeightSyncError
@@ -43,6 +44,26 @@ _CAN_SWAP = hasattr(torch.UntypedStorage, "_swap_data_ptr_")  # torch >= 2.13
 
 
 @dataclass(frozen=True, kw_only=True)
+class SglangSettings:
+    """engine sglang: attach to `url`, or start `command` (default: python -m sglang.launch_server)."""
+
+    url: str = ""
+    args: tuple[str, ...] = ()
+    command: tuple[str, ...] = ()
+    startup_timeout_s: float = 600.0
+    memory_saver: bool = False
+    request_timeout_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        for name in ("startup_timeout_s", "request_timeout_s"):
+            value = getattr(self, name)
+            if not (value == value and 0 < value <= 86400):  # NaN fails the first test
+                raise ValueError(f"sglang.{name}: must be seconds in (0, 86400], got {value}")
+        if "--api-key" in self.args:
+            raise ValueError("sglang.args: --api-key is set by rlfleet (a random key per child); remove it")
+
+
+@dataclass(frozen=True, kw_only=True)
 class RolloutSettings:
     model_path: str
     engine: str = "torch"  # which engine: checked by protocol.build_engine, the registry
@@ -53,6 +74,7 @@ class RolloutSettings:
     load_weights: bool = True
     kv_cache_fraction: float = 0.5  # of the device memory free when the KV pool is made (GPU)
     cuda_graphs: bool = True
+    sglang: SglangSettings = SglangSettings()
 
     def __post_init__(self) -> None:
         if not self.model_path:
@@ -232,6 +254,12 @@ class RolloutEngine:
             if "weights" in self.released:
                 raise EngineStateError("GetWeightFingerprints: weights are released")
             return self._fingerprints_locked(plan_buckets(named_weights(self.model), bucket_bytes), algo)
+
+    def capabilities(self):
+        return capabilities.local(self.device)
+
+    def close(self) -> None:
+        """Nothing outlives the engine but its memory, which Python frees."""
 
 
 def _layout(manifest: Manifest) -> tuple:

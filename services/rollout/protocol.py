@@ -9,6 +9,7 @@ entry here, with no edit to the servicer.
 
 from __future__ import annotations
 
+import importlib
 from typing import Callable, Protocol
 
 import torch
@@ -55,12 +56,35 @@ class GenerationEngine(Protocol):
 
     def fingerprints(self, algo: str, bucket_bytes: int) -> list[str]: ...
 
+    def capabilities(self):
+        """What the coordinator may send this engine weights over (weights_pb2.Capabilities)."""
+
+    def close(self) -> None: ...
+
+
+class ReceivesBroadcast(Protocol):
+    """An engine that joins broadcast groups and receives the buckets itself (SGLang does):
+    `receives` holds "broadcast", and the servicer hands it the group and the update."""
+
+    receives: frozenset[str]
+
+    def init_group(self, *, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                   group_name: str, backend: str, timeout_s: float) -> None: ...
+
+    def destroy_group(self, group_name: str) -> bool: ...
+
+    def update_from_broadcast(self, manifest: Manifest, group_name: str, timeout_s: float) -> int: ...
+
 
 def build_engine(settings) -> GenerationEngine:
     """The engine `settings.engine` names (settings: `services.rollout.engine.RolloutSettings`)."""
-    from services.rollout.engine import RolloutEngine  # the built-in engine; others register below
+    if settings.engine not in ENGINES:
+        raise ValueError(f"engine: unknown engine {settings.engine!r} (available: {', '.join(sorted(ENGINES))})")
+    module, name = ENGINES[settings.engine]
+    return getattr(importlib.import_module(module), name)(settings)
 
-    engines: dict[str, Callable[..., GenerationEngine]] = {"torch": RolloutEngine}
-    if settings.engine not in engines:
-        raise ValueError(f"engine: unknown engine {settings.engine!r} (available: {', '.join(sorted(engines))})")
-    return engines[settings.engine](settings)
+
+ENGINES = {
+    "torch": ("services.rollout.engine", "RolloutEngine"),  # the built-in engine
+    "sglang": ("services.rollout.sglang.engine", "SglangEngine"),  # SGLang over its HTTP API
+}

@@ -17,10 +17,10 @@ from services import devices, profiling, rpc
 from services.api import rollout_pb2, rollout_pb2_grpc, trainer_pb2, weights_pb2
 from services.rollout import receiver
 from services.rollout.builtin.scheduler import GenerationCancelled
-from services.rollout.engine import EngineStateError, EngineUnavailable, RolloutSettings
+from services.rollout.engine import EngineStateError, EngineUnavailable, RolloutSettings, SglangSettings
 from services.rollout.protocol import GenerationEngine, build_engine
 from services.rollout.types import Sampling
-from services.weights import capabilities, shm
+from services.weights import shm
 from services.weights.broadcast import WeightGroup
 from services.weights.errors import InvalidChunk, WeightSyncError
 from services.weights.fingerprint import default_algo
@@ -87,6 +87,11 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
         self._waiting = rpc.Admission(8)
         self._joining = rpc.Admission(1)  # a group join blocks until its peers come, or its timeout
 
+    def close(self) -> None:
+        """Stop what the engine runs (an SGLang child)."""
+        if self._engine is not None:
+            self._engine.close()
+
     def _require(self, context) -> GenerationEngine:
         if self._engine is None:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, "engine is not configured: call Configure first")
@@ -120,14 +125,21 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
                 load_weights=c.load_weights,
                 kv_cache_fraction=c.kv_cache_fraction if c.HasField("kv_cache_fraction") else 0.5,
                 cuda_graphs=c.cuda_graphs if c.HasField("cuda_graphs") else True,
+                sglang=SglangSettings(
+                    url=c.sglang.url, args=tuple(c.sglang.args), command=tuple(c.sglang.command),
+                    startup_timeout_s=c.sglang.startup_timeout_s or 600.0, memory_saver=c.sglang.memory_saver,
+                    request_timeout_s=c.sglang.request_timeout_s or 300.0,
+                ),
             )
             devices.use(settings.device)
+            if self._engine is not None:
+                self._engine.close()
+                self._engine = None
             self._engine = build_engine(settings)
             self._staging = receiver.Staging(self._engine.device)
-            log.info("configured: %s (%d parameters, %s)", c.model_path, self._engine.num_parameters, settings.device)
-            return rollout_pb2.ConfigureRolloutResponse(
-                status=self._status(), capabilities=capabilities.local(self._engine.device)
-            )
+            log.info("configured: %s (%s engine, %d parameters, %s)", c.model_path, settings.engine,
+                     self._engine.num_parameters, settings.device)
+            return rollout_pb2.ConfigureRolloutResponse(status=self._status(), capabilities=self._engine.capabilities())
 
     def GetStatus(self, request, context):
         return self._status()
@@ -176,6 +188,8 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
             if source is None:
                 raise ValueError("source: one of trainer, broadcast, shm, cuda_ipc is required")
             timeout_s = rpc.timeout_seconds(request.timeout_s, DEFAULT_UPDATE_TIMEOUT_S)  # a bad one names itself now
+            if source in getattr(engine, "receives", ()):  # the engine takes these bytes itself (SGLang)
+                return self._update_by_engine(engine, request, manifest, timeout_s, started)
             if source == "broadcast" and request.broadcast.group_name not in self._groups:
                 raise ValueError(f"broadcast.group_name: no group {request.broadcast.group_name!r}; call InitWeightUpdateGroup")
             read_back = request.verify == weights_pb2.VERIFY_MODE_EXACT
@@ -199,6 +213,22 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
                 seconds=seconds,
                 bytes=copied,
             )
+
+    def _update_by_engine(self, engine, request, manifest, timeout_s: float, started: float):
+        if request.verify == weights_pb2.VERIFY_MODE_EXACT:
+            raise ValueError("verify: exact verification needs the engine to read back what it loaded; "
+                             "this engine cannot (use fingerprint)")
+        try:
+            copied = engine.update_from_broadcast(manifest, request.broadcast.group_name, timeout_s)
+        except WeightSyncError as e:
+            engine.leave_pool(f"weight update to version {manifest.version} failed: {e}")
+            log.warning("update to version %d failed: %s", manifest.version, e)
+            raise
+        seconds = time.perf_counter() - started
+        log.info("weights version %d: %.1f MB loaded by the engine in %.1f ms", manifest.version, copied / 1e6,
+                 1e3 * seconds)
+        # fingerprints: none. The engine loaded bytes it cannot fingerprint (see docs/sglang.md).
+        return rollout_pb2.UpdateWeightsResponse(version=manifest.version, seconds=seconds, bytes=copied)
 
     def _receive_and_apply(self, engine, request, manifest, read_back: bool, timeout_s: float) -> int:
         source = request.WhichOneof("source")
@@ -235,6 +265,12 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
         with self._joining.enter(context, "InitWeightUpdateGroup"), rpc.abort_on(context, _ERRORS):
             engine = self._require(context)
             name = request.group_name or "weight_update_group"
+            if "broadcast" in getattr(engine, "receives", ()):
+                engine.init_group(master_address=request.master_address, master_port=request.master_port,
+                                  rank_offset=request.rank_offset, world_size=request.world_size, group_name=name,
+                                  backend=request.backend or "gloo",
+                                  timeout_s=rpc.timeout_seconds(request.timeout_s, DEFAULT_UPDATE_TIMEOUT_S))
+                return weights_pb2.InitWeightUpdateGroupResponse(success=True, message=f"joined from rank {request.rank_offset}")
             old = self._groups.pop(name, None)
             if old is not None:
                 old.close()
@@ -247,6 +283,10 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
             return weights_pb2.InitWeightUpdateGroupResponse(success=True, message=f"joined as rank {group.rank}")
 
     def DestroyWeightUpdateGroup(self, request, context):
+        engine = self._engine
+        if engine is not None and "broadcast" in getattr(engine, "receives", ()):
+            found = engine.destroy_group(request.group_name or "weight_update_group")
+            return weights_pb2.DestroyWeightUpdateGroupResponse(success=found)
         group = self._groups.pop(request.group_name or "weight_update_group", None)
         if group is not None:
             group.close()
@@ -292,5 +332,6 @@ def build_server(address: str = "127.0.0.1:0", token: str | None = None) -> rpc.
         address=address,
         token=token,
     )
+    server.on_stop.append(servicer.close)
     server.set_serving(True)
     return server

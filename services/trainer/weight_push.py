@@ -183,7 +183,10 @@ class WeightPusher:
             if group is None:
                 raise ValueError(f"broadcast.group_name: no group {request.broadcast.group_name!r}; call InitWeightUpdateGroup")
             try:
-                if group.backend == "nccl" and snap.buffers and snap.buffers[0].device.type == "cpu":  # from the host copy
+                if request.broadcast.packed:
+                    group.broadcast_packed((_packed(spec, flat, group.device if group.backend == "nccl" else None)
+                                            for spec, flat in zip(snap.manifest.buckets, snap.buffers)), src=0)
+                elif group.backend == "nccl" and snap.buffers and snap.buffers[0].device.type == "cpu":  # from the host copy
                     staging.stage_and_send(snap.buffers, group.device, lambda k, slot: group.broadcast_bucket(slot, src=0))
                 else:
                     group.broadcast_buckets(snap.buffers, src=0)
@@ -216,3 +219,12 @@ class WeightPusher:
         for name in list(self.groups):
             self.destroy_group(name)
         self._shm.close()
+
+
+def _packed(spec, flat: torch.Tensor, device: torch.device | None) -> torch.Tensor:
+    """A bucket's tensors back to back, without the layout's alignment gaps (SGLang's
+    flattened_bucket), on `device` when NCCL sends it. One bucket-sized copy at a time."""
+    parts = [flat[t.offset : t.offset + t.nbytes] for t in spec.tensors]
+    if device is not None:
+        parts = [p.to(device, non_blocking=True) for p in parts]
+    return torch.cat(parts)

@@ -16,7 +16,7 @@ import os
 import socket
 import threading
 import time
-from typing import Callable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -73,12 +73,15 @@ class WeightGroup:
         self._error: BaseException | None = None
 
     def connect(self) -> "WeightGroup":
-        """Form the group (blocks until every rank has joined or the timeout passes)."""
+        """Form the group (blocks until every rank has joined or the timeout passes).
+
+        The group is built the way SGLang builds its end of `/init_weights_update_group` (and
+        slime and miles their trainer's): torch's process-group helper over the TCP store with
+        the group name as key prefix. Any other construction names its keys differently, and an
+        SGLang engine would wait for a rendezvous that never comes."""
         try:
-            store = dist.PrefixStore(self.name, self._store)
-            if self.backend == "gloo":
-                self._pg = dist.ProcessGroupGloo(store, self.rank, self.world_size, self.timeout)
-            else:
+            options = None
+            if self.backend == "nccl":
                 # By default NCCL's watchdog takes the whole process down when a collective times
                 # out. A stalled engine must fail the sync, not kill the trainer: our own wait
                 # times out instead, and close() aborts the communicator.
@@ -88,7 +91,8 @@ class WeightGroup:
                 # queue behind the upload's, and the two would take turns instead of overlapping.
                 options = dist.ProcessGroupNCCL.Options(is_high_priority_stream=True)
                 options._timeout = self.timeout
-                self._pg = dist.ProcessGroupNCCL(store, self.rank, self.world_size, options)
+            self._pg = sglang_compatible_group(self._store, self.name, self.rank, self.world_size, self.backend,
+                                               self.timeout, options)
         except BaseException as e:
             self._error = e
             raise WeightSyncError(f"group {self.name!r}: rank {self.rank} could not join: {e}") from e
@@ -137,6 +141,19 @@ class WeightGroup:
         except RuntimeError as e:
             raise WeightSyncError(f"group {self.name!r}: broadcast failed on rank {self.rank}: {e}") from e
 
+    def broadcast_packed(self, flats: Iterable[torch.Tensor], src: int = 0) -> None:
+        """Each flat buffer as ONE broadcast, whole: the collectives a receiver that sizes its
+        buffer from the tensors it expects (SGLang's flattened_bucket) posts, one per bucket.
+        `flats` may be a generator: a buffer is made only when the one before it has gone."""
+        self.wait_ready()
+        try:
+            for flat in flats:
+                self._wait(self._pg.broadcast([flat], _options(src)))
+        except WeightSyncError:
+            raise
+        except RuntimeError as e:
+            raise WeightSyncError(f"group {self.name!r}: broadcast failed on rank {self.rank}: {e}") from e
+
     def _wait(self, work) -> None:
         """Until `work` is done, or WeightSyncError after the group's timeout. NCCL's own timed
         wait polls every millisecond, a real cost when a whole sync takes tens of them; here the
@@ -166,6 +183,20 @@ class WeightGroup:
         self._store = None
 
 
+def sglang_compatible_group(store: dist.Store, name: str, rank: int, world_size: int, backend: str,
+                            timeout: datetime.timedelta, options=None):
+    """A process group keyed in `store` as SGLang's `init_custom_process_group` keys it: the
+    group name as prefix, then torch's own per-group and per-device prefixes (for gloo one
+    backend per device type, cpu and cuda, each with its own rendezvous)."""
+    from torch.distributed import distributed_c10d as c10d
+
+    pg, _ = c10d._new_process_group_helper(
+        world_size, rank, [], c10d.Backend(backend), dist.PrefixStore(name, store), group_name=name,
+        backend_options=options, timeout=timeout,
+    )
+    return pg
+
+
 def _abort(pg) -> None:
     try:
         if hasattr(pg, "abort"):
@@ -173,6 +204,10 @@ def _abort(pg) -> None:
         else:
             pg.shutdown()
     except RuntimeError:
+        pass
+    try:  # forget its name, so a later group may take it again
+        dist.destroy_process_group(pg)
+    except (RuntimeError, ValueError, KeyError, AssertionError):
         pass
 
 

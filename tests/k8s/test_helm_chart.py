@@ -299,3 +299,32 @@ def test_the_values_files_in_the_deploy_guide_render_and_validate(chart):
         m.validate(objects)
         parsed = parse_job(job_text(objects), "/", check_files=False)
         assert parsed.eval_only == (example["mode"] == "eval")
+
+
+# ---------------------------------------------------------------------------- SGLang engines
+
+
+def test_sglang_rollout_pods_run_the_sglang_image_with_a_sized_shm(chart):
+    job = dict(values(mode="train")["job"])
+    job["rollout"] = {**job.get("rollout", {}), "engine": "sglang",
+                      "sglang": {"args": ["--mem-fraction-static", "0.7"], "memory_saver": True}}
+    objects = render(chart, values(mode="train", job=job, gpusPerPod={"trainer": 1, "rollout": 1},
+                                   sglang={"image": {"repository": "registry.example.com/rlfleet-sglang", "tag": "0.5.9"},
+                                           "shmSize": "32Gi"}))
+    m.validate(objects)
+    rollout = m.one(objects, "StatefulSet", "rollout")
+    assert m.container(rollout)["image"] == "registry.example.com/rlfleet-sglang:0.5.9"
+    dshm = next(v for v in rollout["spec"]["template"]["spec"]["volumes"] if v["name"] == "dshm")
+    assert dshm["emptyDir"] == {"medium": "Memory", "sizeLimit": "32Gi"}
+    trainer = m.one(objects, "StatefulSet", "trainer")
+    assert "sglang" not in m.container(trainer)["image"]  # only rollout pods run SGLang
+    parsed = parse_job(job_text(objects), "/", check_files=False)
+    assert parsed.rollout.engine == "sglang" and parsed.rollout.sglang.memory_saver
+    assert parsed.rollout.sglang.args == ("--mem-fraction-static", "0.7")
+
+
+def test_an_sglang_job_without_an_sglang_image_is_refused_at_render_time(chart):
+    job = dict(values(mode="train")["job"])
+    job["rollout"] = {**job.get("rollout", {}), "engine": "sglang"}
+    with pytest.raises(helm.HelmError, match="sglang.image.repository"):
+        chart.render(values(mode="train", job=job), name=RELEASE, namespace=NAMESPACE)

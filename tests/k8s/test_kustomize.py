@@ -77,3 +77,16 @@ def test_only_the_gpu_overlay_asks_for_gpus():
             assert gpus == (1 if name == "gpu" and worker else 0), (name, workload["metadata"]["name"])
             assert resources["requests"].get("nvidia.com/gpu", 0) == gpus
             assert m.container(workload)["image"].endswith("-cuda" if name == "gpu" else "-cpu")
+
+
+def test_the_sglang_overlay_runs_sglang_only_in_rollout_pods():
+    objects = build("gpu-sglang")
+    m.validate(objects)
+    m.check_labels_and_selectors(objects)
+    m.check_security(objects)
+    rollout = m.one(objects, "StatefulSet", "rollout")
+    assert m.container(rollout)["image"].endswith("-sglang")
+    assert m.container(m.one(objects, "StatefulSet", "trainer"))["image"].endswith("-cuda")
+    dshm = next(v for v in rollout["spec"]["template"]["spec"]["volumes"] if v["name"] == "dshm")
+    assert dshm["emptyDir"] == {"medium": "Memory", "sizeLimit": "16Gi"}
+    assert m.container(rollout)["resources"]["limits"]["nvidia.com/gpu"] == 1

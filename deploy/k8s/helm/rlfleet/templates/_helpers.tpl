@@ -54,6 +54,25 @@ helm.sh/chart: {{ include "rlfleet.chart" .root }}
 {{- end }}
 {{- end }}
 
+{{/* The rollout pods' engine: job.rollout.engine, torch unless the job says sglang. */}}
+{{- define "rlfleet.rolloutEngine" -}}
+{{- $rollout := default dict (get (default dict .Values.job) "rollout") }}
+{{- default "torch" (get $rollout "engine") }}
+{{- end }}
+
+{{/* The image of a worker role: the SGLang image for rollout pods of an sglang job. Call with (dict "root" $ "role" "rollout"). */}}
+{{- define "rlfleet.workerImage" -}}
+{{- $root := .root }}
+{{- if and (eq .role "rollout") (eq (include "rlfleet.rolloutEngine" $root) "sglang") }}
+{{- if not $root.Values.sglang.image.repository }}
+{{- fail "sglang.image.repository: job.rollout.engine is sglang, and the rlfleet image has no SGLang; set an image with both (the Dockerfile's sglang target)" }}
+{{- end }}
+{{- printf "%s:%s" $root.Values.sglang.image.repository (default "latest" $root.Values.sglang.image.tag) }}
+{{- else }}
+{{- include "rlfleet.image" $root }}
+{{- end }}
+{{- end }}
+
 {{- define "rlfleet.image" -}}
 {{- $variant := "cpu" }}
 {{- if or (gt (int .Values.gpusPerPod.trainer) 0) (gt (int .Values.gpusPerPod.rollout) 0) }}

@@ -55,7 +55,7 @@ spec:
       {{- with include "rlfleet.scheduling" $root }}{{ . | nindent 6 }}{{ end }}
       containers:
         - name: {{ .role }}
-          image: {{ include "rlfleet.image" $root }}
+          image: {{ include "rlfleet.workerImage" (dict "root" $root "role" .role) }}
           imagePullPolicy: {{ $root.Values.image.pullPolicy }}
           args:
             - serve
@@ -86,4 +86,7 @@ spec:
         - name: dshm
           emptyDir:
             medium: Memory
+            {{- if and (eq .role "rollout") (eq (include "rlfleet.rolloutEngine" $root) "sglang") }}
+            sizeLimit: {{ $root.Values.sglang.shmSize }}
+            {{- end }}
 {{- end }}

@@ -1,0 +1,303 @@
+"""`engine: sglang`: the rollout service's generation engine over an SGLang server's HTTP API.
+
+The servicer sees the same `GenerationEngine` as for the built-in engine; this adapter
+translates. Generation is `/generate` with token ids in and token ids, logprobs and SGLang's
+`weight_version` out. Weights come only by broadcast: SGLang itself joins the trainer's group
+(`/init_weights_update_group`) and receives each bucket packed (`load_format:
+flattened_bucket`, one `/update_weights_from_distributed` per bucket, the trainer sending the
+bucket's tensors back to back). No generation runs while an update is in progress (the adapter's
+own lock, held across all of a version's buckets), and the last bucket flushes SGLang's prefix
+cache and sets its weight version, so a completion never mixes two versions. An update that
+fails part-way leaves SGLang holding part of the new weights: the engine leaves the pool until a
+full update succeeds.
+
+What cannot be verified: SGLang reports success but exposes no fingerprint of what it loaded in
+rlfleet's algorithms (its `/weights_checker` checksums its own fused, sharded parameters), so
+`verify: exact` is refused for SGLang engines and fingerprint verification covers the bytes the
+trainer sent, not what SGLang holds. The colocated CUDA-IPC plane (`/update_weights_from_tensor`)
+carries a pickle of IPC handles and is not offered: it needs a GPU, and the pickle may only ever
+travel between processes of one host over loopback.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import re
+import threading
+import time
+from typing import Callable
+
+import torch
+
+from services.models import load_tokenizer
+from services.models.checkpoint import checkpoint_step, load_config
+from services.models.decoder import DecoderLM, torch_dtype
+from services.rollout.builtin.scheduler import GenerationCancelled
+from services.rollout.engine import EngineStateError, EngineUnavailable
+from services.rollout.sglang.client import SglangClient, SglangError, SglangRefused, SglangUnavailable
+from services.rollout.sglang.process import SglangProcess
+from services.rollout.types import Generation, Sampling, validate_prompts
+from services.weights import capabilities
+from services.weights.buckets import Manifest, dtype_name
+from services.weights.errors import WeightSyncError
+from services.weights.manifest import ManifestReader
+
+log = logging.getLogger("rlfleet.rollout")
+_rids = itertools.count()
+# rlfleet's memory tags -> SGLang's: the KV cache goes with the CUDA graphs that point into it
+_TAGS = {"weights": ["weights"], "kv_cache": ["kv_cache", "cuda_graph"]}
+
+
+class SglangEngine:
+    def __init__(self, settings):
+        s = settings.sglang
+        self.settings = settings
+        self.device = torch.device(settings.device)
+        self.model_config = load_config(settings.model_path)
+        self.tokenizer = load_tokenizer(settings.model_path)
+        dtype = torch_dtype(settings.dtype)
+        with torch.device("meta"):
+            model = DecoderLM(self.model_config)
+        self._expected = {name: (dtype_name(dtype), tuple(t.shape)) for name, t in model.state_dict().items()
+                          if not (name == "lm_head.weight" and self.model_config.tie_word_embeddings)}
+        self._num_parameters = sum(t.numel() for t in model.parameters())
+        self._manifests = ManifestReader(self._expected)
+        self.checkpoint_step = checkpoint_step(settings.model_path)
+        self.weight_version = self.checkpoint_step
+        self.serving, self.last_error, self.released = True, "", set()
+        self.holds_buffers, self.last_apply_seconds = False, 0.0
+        self._lock = threading.RLock()  # generation holds it; an update holds it across all its buckets
+        self.process: SglangProcess | None = None
+        if s.url:
+            import os
+
+            self.client = SglangClient(s.url, os.environ.get("RLFLEET_SGLANG_API_KEY") or None, s.request_timeout_s)
+            if not self.client.healthy():
+                raise EngineUnavailable(f"sglang.url: no healthy SGLang at {s.url} (/health_generate)")
+        else:
+            self.process = SglangProcess(model_path=settings.model_path, command=list(s.command), args=list(s.args),
+                                         memory_saver=s.memory_saver, startup_timeout_s=s.startup_timeout_s,
+                                         request_timeout_s=s.request_timeout_s)
+            self.client = self.process.start()
+            self.process.watch(self._child_exited)
+        self.tp_size = _tp_size(list(s.args))
+
+    # ---- what the servicer reads --------------------------------------------------------------
+    @property
+    def num_parameters(self) -> int:
+        return self._num_parameters
+
+    @property
+    def max_positions(self) -> int:
+        return self.model_config.max_position_embeddings
+
+    receives = frozenset({"broadcast"})  # the planes whose bytes SGLang takes itself
+
+    def capabilities(self):
+        caps = capabilities.local(torch.device("cpu"))  # the host; SGLang's GPUs are its own
+        del caps.planes[:]
+        caps.planes.append(capabilities.weights_pb2.WEIGHT_PLANE_BROADCAST)
+        del caps.broadcast_backends[:]
+        caps.broadcast_backends.append("nccl" if self.device.type == "cuda" else "gloo")
+        caps.packed_broadcast, caps.broadcast_ranks = True, self.tp_size
+        return caps
+
+    def close(self) -> None:
+        if self.process is not None:
+            self.process.stop()
+
+    # ---- generation ---------------------------------------------------------------------------
+    def generate(self, prompts_ids: list[list[int]], sampling: Sampling,
+                 cancelled: Callable[[], bool] | None = None) -> tuple[list[Generation], int]:
+        validate_prompts(prompts_ids, sampling, self.model_config.vocab_size, self.max_positions)
+        with self._lock:
+            if not self.serving or self.released:
+                raise EngineUnavailable(self.last_error or f"memory released: {sorted(self.released)}")
+            rid = f"rlfleet-{next(_rids)}"
+            items = self._call_cancellable(prompts_ids, sampling, rid, cancelled)
+        return _completions(items, prompts_ids, sampling.n)
+
+    def _call_cancellable(self, prompts_ids, sampling: Sampling, rid: str, cancelled) -> list[dict]:
+        """`/generate` in a thread, so a caller that gives up aborts the request in SGLang."""
+        outcome: dict = {}
+
+        def run() -> None:
+            try:
+                outcome["items"] = self.client.generate(prompts_ids, sampling_params(sampling), rid,
+                                                        timeout_s=self.client.timeout_s)
+            except BaseException as e:  # handed to the caller's thread
+                outcome["error"] = e
+
+        worker = threading.Thread(target=run, name="sglang-generate", daemon=True)
+        worker.start()
+        while worker.is_alive():
+            worker.join(0.2)
+            if worker.is_alive() and cancelled is not None and cancelled():
+                self.client.abort(rid)
+                worker.join(30)
+                raise GenerationCancelled("Generate: the caller gave up; the request was aborted in SGLang")
+        if "error" in outcome:
+            e = outcome["error"]
+            if isinstance(e, SglangRefused):
+                raise ValueError(f"sampling: SGLang refused the request: {e.message}") from e
+            if isinstance(e, SglangUnavailable):
+                raise EngineUnavailable(str(e)) from e
+            raise e
+        return outcome["items"]
+
+    # ---- weights ------------------------------------------------------------------------------
+    def read_manifest(self, msg) -> Manifest:
+        return self._manifests.read(msg)
+
+    def apply(self, manifest: Manifest, buffers, **_) -> int:
+        raise ValueError("source: an SGLang engine takes weights only by broadcast (SGLang receives them itself)")
+
+    def init_group(self, *, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                   group_name: str, backend: str, timeout_s: float) -> None:
+        try:
+            self.client.init_weights_update_group(master_address=master_address, master_port=master_port,
+                                                  rank_offset=rank_offset, world_size=world_size,
+                                                  group_name=group_name, backend=backend, timeout_s=timeout_s + 30)
+        except SglangError as e:
+            raise WeightSyncError(f"SGLang could not join group {group_name!r}: {e}") from e
+
+    def destroy_group(self, group_name: str) -> bool:
+        try:
+            self.client.destroy_weights_update_group(group_name)
+            return True
+        except SglangError:
+            return False  # no such group, or SGLang is gone: nothing left to destroy
+
+    def update_from_broadcast(self, manifest: Manifest, group_name: str, timeout_s: float) -> int:
+        """One `/update_weights_from_distributed` per bucket, in manifest order, while no
+        generation runs; the last one flushes the prefix cache and sets the weight version."""
+        started = time.perf_counter()
+        with self._lock:
+            if "weights" in self.released:
+                raise EngineStateError("UpdateWeights: weights are released; call ResumeMemory(weights) first")
+            last, k = len(manifest.buckets) - 1, 0
+            try:
+                session = self.client.begin_weight_update()  # SGLang >= 0.5.23 refuses updates outside one
+                for k, bucket in enumerate(manifest.buckets):
+                    self.client.update_weights_from_distributed(
+                        names=[t.name for t in bucket.tensors], dtypes=[t.dtype for t in bucket.tensors],
+                        shapes=[list(t.shape) for t in bucket.tensors], group_name=group_name,
+                        flush_cache=k == last, weight_version=str(manifest.version) if k == last else None,
+                        timeout_s=timeout_s + 30,
+                    )
+                if session:
+                    self.client.end_weight_update()
+            except SglangError as e:
+                self._close_session()
+                raise WeightSyncError(f"SGLang failed to load bucket {k} of version {manifest.version}: {e}") from e
+            self.weight_version, self.serving, self.last_error = manifest.version, True, ""
+        self.last_apply_seconds = time.perf_counter() - started
+        return manifest.total_bytes
+
+    def _close_session(self) -> None:
+        """After a failed update: SGLang refuses to open a second session over an open one."""
+        try:
+            self.client.end_weight_update()
+        except SglangError:
+            pass  # none was open, or an SGLang older than 0.5.23
+
+    def leave_pool(self, reason: str) -> None:
+        self.serving, self.last_error = False, reason
+
+    def release_memory(self, tags: list[str]) -> None:
+        wanted = [t for t in tags if t not in self.released]
+        if wanted:
+            self._memory(wanted, self.client.release_memory)
+            self.released |= set(wanted)
+
+    def resume_memory(self, tags: list[str]) -> None:
+        wanted = [t for t in tags if t in self.released]
+        if wanted:
+            self._memory(wanted, self.client.resume_memory)
+            self.released -= set(wanted)
+
+    def _memory(self, tags: list[str], call) -> None:
+        bad = [t for t in tags if t not in _TAGS]
+        if bad:
+            raise ValueError(f"tags: unknown memory tag {bad[0]!r} (expected weights or kv_cache)")
+        with self._lock:
+            try:
+                call([sg for t in tags for sg in _TAGS[t]])
+            except SglangError as e:
+                raise EngineStateError(f"SGLang refused to change its memory ({tags}): {e}") from e
+
+    def fingerprints(self, algo: str, bucket_bytes: int) -> list[str]:
+        raise EngineStateError("GetWeightFingerprints: SGLang exposes no fingerprint of the weights it holds in "
+                               "rlfleet's algorithms")
+
+    # ---- a child that died --------------------------------------------------------------------
+    def _child_exited(self, code: int) -> None:
+        """Out of the pool now; a new child, then the next full weight sync, brings it back."""
+        self.leave_pool(f"SGLang exited with code {code}; restarting it (it rejoins after a full weight sync)")
+        log.warning("%s; log tail: %s", self.last_error, self.process.tail(5))
+        with self._lock:
+            self.process.restarts += 1
+            try:
+                self.client = self.process.start()
+                self.released.clear()
+                self.weight_version = self.checkpoint_step  # a fresh child holds the checkpoint again
+            except Exception as e:
+                self.last_error = f"SGLang exited with code {code} and could not be restarted: {e}"
+                log.error(self.last_error)
+
+
+def sampling_params(s: Sampling) -> dict:
+    """rlfleet's sampling settings in SGLang's `sampling_params` keys (nothing SGLang would refuse)."""
+    params = {
+        "temperature": s.temperature,
+        "top_p": s.top_p,
+        "top_k": s.top_k if s.top_k > 0 else -1,
+        "max_new_tokens": s.max_new_tokens,
+        "n": s.n,
+        "ignore_eos": s.ignore_eos,
+        "skip_special_tokens": True,
+    }
+    if s.stop:
+        params["stop"] = list(s.stop)
+    if s.stop_token_ids:
+        params["stop_token_ids"] = list(s.stop_token_ids)
+    if s.seed is not None:
+        params["sampling_seed"] = s.seed
+    return params
+
+
+def _completions(items: list[dict], prompts_ids: list[list[int]], n: int) -> tuple[list[Generation], int]:
+    """SGLang's answers as prompt-major Generations, and the one weight version behind all of them."""
+    if len(items) != len(prompts_ids) * n:
+        raise EngineStateError(f"SGLang answered {len(items)} completions for {len(prompts_ids)} prompts x n={n}")
+    out, versions = [], set()
+    for k, item in enumerate(items):
+        prompt = _prompt_of(k, len(prompts_ids), n)
+        meta = item.get("meta_info") or {}
+        reason = (meta.get("finish_reason") or {}).get("type")
+        if reason not in ("stop", "length"):
+            raise EngineStateError(f"SGLang finished completion {k} with {meta.get('finish_reason')!r}")
+        versions.add(str(meta.get("weight_version", "")))
+        logprobs = [float(entry[0]) for entry in meta.get("output_token_logprobs") or []]
+        out.append((prompt, Generation(prompt_index=prompt, prompt_ids=prompts_ids[prompt],
+                                       output_ids=list(item.get("output_ids") or []), text=item.get("text", ""),
+                                       logprobs=logprobs, finish_reason=reason)))
+    if len(versions) != 1:
+        raise EngineStateError(f"SGLang answered with several weight versions at once: {sorted(versions)}")
+    version = versions.pop()
+    out.sort(key=lambda pair: pair[0])  # stable: the samples of a prompt keep SGLang's order
+    return [g for _, g in out], int(version) if re.fullmatch(r"-?\d+", version) else 0
+
+
+def _prompt_of(k: int, num_prompts: int, n: int) -> int:
+    """Which prompt SGLang's k-th batched answer belongs to: SGLang answers prompt-major (the n
+    samples of prompt 0, then of prompt 1, ...; read from 0.5.23's tokenizer manager)."""
+    return k // n
+
+
+def _tp_size(args: list[str]) -> int:
+    for flag in ("--tp", "--tp-size", "--tensor-parallel-size"):
+        if flag in args:
+            return int(args[args.index(flag) + 1])
+    return 1

@@ -1,0 +1,179 @@
+"""The SGLang adapter end to end against the stand-in (tests/sglang/standin.py), which checks every
+request it gets against the pinned SGLang wheel's own types and answers in SGLang's shapes: the
+rollout service starts it as its SGLang child, generates through it, syncs weights into it by a
+packed gloo broadcast, survives its death, and a whole `rlfleet run` job trains through it."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from services import rpc
+from services.api import rollout_pb2, rollout_pb2_grpc, trainer_pb2, weights_pb2
+from services.coordinator.clients import RolloutClient, TrainerClient
+from services.rollout.engine import EngineUnavailable, RolloutSettings, SglangSettings
+from services.rollout.server import RolloutServicer, build_server as build_rollout_server
+from services.rollout.sglang.client import SglangClient, SglangRefused
+from services.trainer.server import build_server as build_trainer_server
+from tests.conftest import make_syncer
+
+pytestmark = pytest.mark.sglang
+ROOT = Path(__file__).resolve().parents[2]
+STANDIN = [sys.executable, "-m", "tests.sglang.standin"]
+EXAMPLE = ROOT / "examples" / "arith"
+
+
+@pytest.fixture(autouse=True)
+def _standin_importable(monkeypatch):
+    """The SGLang child is `python -m tests.sglang.standin`: it must find this checkout."""
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+
+
+def _sglang_config(model_dir) -> rollout_pb2.RolloutConfig:
+    return rollout_pb2.RolloutConfig(model_path=str(model_dir), engine="sglang", load_weights=True,
+                                     sglang=rollout_pb2.SglangConfig(command=STANDIN, startup_timeout_s=120))
+
+
+def _requests(url: str, key: str | None) -> list[dict]:
+    return SglangClient(url, key).call("/_standin/requests", method="GET")
+
+
+def test_generate_and_a_packed_broadcast_sync_through_sglang(tiny_model_dir):
+    trainer_server = build_trainer_server("127.0.0.1:0")
+    servicer = RolloutServicer()  # built by hand to reach its engine (and SGLang's request log)
+    sglang_server = rpc.create_server(lambda s: rollout_pb2_grpc.add_RolloutServicer_to_server(servicer, s),
+                                      ("rlfleet.v1.Rollout",), address="127.0.0.1:0")
+    sglang_server.on_stop.append(servicer.close)
+    torch_server = build_rollout_server("127.0.0.1:0")
+    pool = ThreadPoolExecutor(8)
+    try:
+        trainer = TrainerClient(f"127.0.0.1:{trainer_server.port}")
+        trainer.configure(trainer_pb2.TrainerConfig(model_path=str(tiny_model_dir), bucket_bytes=4096,
+                                                    optimizer=trainer_pb2.OptimizerConfig(lr=0.05)))
+        sglang = RolloutClient(f"127.0.0.1:{sglang_server.port}")
+        caps = sglang.configure(_sglang_config(tiny_model_dir))
+        assert caps.configured and sglang.capabilities.packed_broadcast
+        reference = RolloutClient(f"127.0.0.1:{torch_server.port}")  # the built-in engine, for comparison
+        reference.configure(rollout_pb2.RolloutConfig(model_path=str(tiny_model_dir), load_weights=True))
+
+        prompts = ["1+2=", "3+4="]
+        greedy = rollout_pb2.SamplingParams(temperature=0.0, max_new_tokens=4, n=3)
+        before = sglang.generate(prompts, greedy)
+        assert [c.prompt_index for c in before] == [0, 0, 0, 1, 1, 1]  # rlfleet's prompt-major order
+        assert all(len(c.logprobs) == len(c.output_ids) > 0 for c in before)
+        assert [c.output_ids for c in before] == [c.output_ids for c in reference.generate(prompts, greedy)]
+
+        # Train until the greedy answers change, then sync both engines; the SGLang one by broadcast.
+        batch = trainer_pb2.Batch(samples=[trainer_pb2.Sample(prompt_ids=list(c.prompt_ids),
+                                                              response_ids=list(c.output_ids), advantage=-1.0)
+                                           for c in before])
+        for _ in range(3):
+            trainer.train_step(batch)
+        syncer = make_syncer(trainer, [sglang, reference], pool, timeout_s=60)
+        assert syncer.planes == ["broadcast", "shm"]
+        result = syncer.sync({0, 1})
+        assert result.ok == {0, 1}, result.failures
+        after = sglang.generate(prompts, greedy)
+        assert {c.weight_version for c in after} == {3}
+        assert [c.output_ids for c in after] == [c.output_ids for c in reference.generate(prompts, greedy)]
+        assert [c.output_ids for c in after] != [c.output_ids for c in before]
+
+        # On the wire: every request passed the wheel's types (the stand-in answers 400 otherwise),
+        # and the sync was one flattened bucket per manifest bucket inside an update session.
+        client = servicer._engine.client
+        log = [r for r in SglangClient(client.url, client._headers["Authorization"].split()[-1])
+               .call("/_standin/requests", method="GET") if not r["path"].startswith("/_standin")]
+        assert all(r["status"] == 200 for r in log), [r for r in log if r["status"] != 200]
+        paths = [r["path"] for r in log]
+        updates = [r["body"] for r in log if r["path"] == "/update_weights_from_distributed"]
+        assert len(updates) == len(result_manifest_buckets(trainer)) >= 2
+        assert all(u["load_format"] == "flattened_bucket" for u in updates)
+        assert [u.get("weight_version") for u in updates][-1] == "3" and updates[-1]["flush_cache"]
+        first, last = paths.index("/update_weights_from_distributed"), len(paths) - 1 - paths[::-1].index(
+            "/update_weights_from_distributed")
+        assert paths[first - 1] == "/begin_weight_update" and paths[last + 1] == "/end_weight_update"
+    finally:
+        pool.shutdown(wait=False)
+        for server in (trainer_server, sglang_server, torch_server):
+            server.stop(0)
+
+
+def result_manifest_buckets(trainer: TrainerClient) -> list:
+    return list(trainer.weight_manifest("", weights_pb2.WEIGHT_PLANE_BROADCAST).buckets)
+
+
+def test_a_dead_sglang_child_is_restarted_and_serves_only_after_a_full_sync(tiny_model_dir):
+    from services.rollout.sglang.engine import SglangEngine
+
+    engine = SglangEngine(RolloutSettings(model_path=str(tiny_model_dir), engine="sglang",
+                                          sglang=SglangSettings(command=tuple(STANDIN), startup_timeout_s=120)))
+    try:
+        first = engine.client
+        with pytest.raises(Exception):
+            first.call("/_standin/crash")  # the server exits before it answers
+        deadline = time.monotonic() + 120
+        while engine.process.restarts == 0 or engine.client is first:
+            assert time.monotonic() < deadline, engine.last_error
+            time.sleep(0.2)
+        assert not engine.serving and "exited with code" in engine.last_error
+        assert engine.client.healthy()  # a new child, on a new port with a new key
+        from services.rollout.types import Sampling
+
+        with pytest.raises(EngineUnavailable, match="exited with code"):
+            engine.generate([[3, 4]], Sampling(max_new_tokens=2))
+    finally:
+        engine.close()
+
+
+def test_sglang_errors_come_back_typed_with_sglangs_message(tiny_model_dir):
+    from services.rollout.sglang.engine import SglangEngine
+
+    engine = SglangEngine(RolloutSettings(model_path=str(tiny_model_dir), engine="sglang",
+                                          sglang=SglangSettings(command=tuple(STANDIN), startup_timeout_s=120)))
+    try:
+        with pytest.raises(SglangRefused) as info:  # what SGLang 0.5.22+ answers to an unknown sampling key
+            engine.client.call("/generate", {"input_ids": [[3, 4]], "sampling_params": {"bogus_key": 1}})
+        assert info.value.status == 400 and "bogus_key" in info.value.message
+        unauthorised = SglangClient(engine.client.url, api_key="wrong")
+        with pytest.raises(Exception, match="401|403"):
+            unauthorised.call("/model_info", method="GET")
+    finally:
+        engine.close()
+
+
+def test_an_rl_job_trains_through_sglang_engines(tmp_path):
+    job = tmp_path / "job.yaml"
+    job.write_text(textwrap.dedent(f"""
+        name: arith-sglang
+        seed: 1
+        model: {EXAMPLE / 'model'}
+        num_rollout: 30
+        output_dir: {tmp_path / 'out'}
+        rollout:
+          prompts_per_step: 32
+          samples_per_prompt: 8
+          sampling: {{temperature: 1.0, max_new_tokens: 5}}
+          engine: sglang
+          sglang: {{command: {json.dumps(STANDIN)}, startup_timeout_s: 120}}
+        data: {{train: {EXAMPLE / 'data' / 'train.jsonl'}}}
+        reward: {{kind: exact_match}}
+        eval: {{datasets: [{{name: heldout, path: {EXAMPLE / 'data' / 'test.jsonl'}, limit: 300,
+                            sampling: {{temperature: 0.0, max_new_tokens: 5}}}}]}}
+        trainer: {{micro_batch_size: 256, colocate: true, optimizer: {{lr: 1.0e-4, betas: [0.9, 0.99]}}}}
+        """))
+    result = subprocess.run(
+        [sys.executable, "-m", "services.cli", "run", str(job), "--summary", str(tmp_path / "summary.json")],
+        capture_output=True, text=True, timeout=900, env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=ROOT,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "': 'broadcast'" in result.stdout  # the plane the coordinator negotiated for the SGLang engine
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["eval_after"] - summary["eval_before"] >= 0.05, summary
