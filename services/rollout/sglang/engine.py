@@ -76,12 +76,18 @@ class SglangEngine:
             if not self.client.healthy():
                 raise EngineUnavailable(f"sglang.url: no healthy SGLang at {s.url} (/health_generate)")
         else:
-            self.process = SglangProcess(model_path=settings.model_path, command=list(s.command), args=list(s.args),
+            args = list(s.args)
+            if self.device.type == "cuda" and "--base-gpu-id" not in args:  # SGLang on the engine's GPU
+                args += ["--base-gpu-id", str(self.device.index or 0)]
+            self.process = SglangProcess(model_path=settings.model_path, command=list(s.command), args=args,
                                          memory_saver=s.memory_saver, startup_timeout_s=s.startup_timeout_s,
                                          request_timeout_s=s.request_timeout_s)
             self.client = self.process.start()
             self.process.watch(self._child_exited)
         self.tp_size = _tp_size(list(s.args))
+        version = str((self.client.model_info() or {}).get("weight_version", ""))
+        if re.fullmatch(r"-?\d+", version):  # a server we attached to may already hold a synced version
+            self.weight_version = int(version)
 
     # ---- what the servicer reads --------------------------------------------------------------
     @property
@@ -95,7 +101,7 @@ class SglangEngine:
     receives = frozenset({"broadcast"})  # the planes whose bytes SGLang takes itself
 
     def capabilities(self):
-        caps = capabilities.local(torch.device("cpu"))  # the host; SGLang's GPUs are its own
+        caps = capabilities.local(self.device)  # the host, and the GPU SGLang runs on (rollout device)
         del caps.planes[:]
         caps.planes.append(capabilities.weights_pb2.WEIGHT_PLANE_BROADCAST)
         del caps.broadcast_backends[:]
