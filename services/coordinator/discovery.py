@@ -174,10 +174,18 @@ def make_fleet(
             raise ValueError(f"rollout.num_engines: job wants {want_r}, {len(rollouts)} ready after {wait_s:g} s{where}")
         trainers, rollouts = chosen
         log.info("job %s: trainers %s, rollout engines %s", job.name, trainers, rollouts)
+
+        def relocate(index: int) -> RolloutClient | None:
+            """Engine `index`'s current address: the index-th ready engine in rank order, once
+            as many are ready as the job has (before that, ranks after a missing pod shift)."""
+            ready = discovery.rollouts()
+            return RolloutClient(ready[index], token) if len(ready) >= want_r else None
+
         return Fleet(
             trainers=[TrainerClient(a, token) for a in trainers],
             engines=[RolloutClient(a, token) for a in rollouts],
             trainer_token=token or "",
+            relocate=relocate,
         )
 
     return make

@@ -57,6 +57,9 @@ class Fleet:
     engines: list[RolloutClient]
     trainer_token: str = ""
     in_pool: set[int] = field(default_factory=set)
+    # Where engine k runs now, when that can change (a Kubernetes pod that restarted has a new
+    # address): a client for its current address, or None while it is not ready.
+    relocate: Callable[[int], RolloutClient | None] | None = None
 
 
 def trainer_config(job: JobConfig) -> trainer_pb2.TrainerConfig:
@@ -157,29 +160,12 @@ class RLLoop:
                             f"{status.num_parameters} parameters on rank 0, "
                             f"optimizer: {'yes' if status.has_optimizer else 'none'})"},
             )
-        exact = self.job.weight_sync.verify == "exact"
         for index, engine in enumerate(self.fleet.engines):
-            sg = self.job.rollout.sglang
-            status = engine.configure(rollout_pb2.RolloutConfig(
-                model_path=str(self.job.model),
-                engine=self.job.rollout.engine,
-                sglang=rollout_pb2.SglangConfig(
-                    url=sg.url or "", args=list(sg.args), command=list(sg.command),
-                    startup_timeout_s=sg.startup_timeout_s, memory_saver=sg.memory_saver,
-                    request_timeout_s=sg.request_timeout_s,
-                ),
-                device=self.job.rollout.device_of(index, self.job.trainer.device),
-                dtype=self.job.trainer.dtype,
-                seed=self.job.seed,
-                # exact verification starts engines from scrambled weights: only the sync can fix them
-                load_weights=not (exact and self.fleet.trainers),
-                max_batch_size=self.job.rollout.max_batch_size,
-                kv_cache_fraction=self.job.rollout.kv_cache_fraction,
-                cuda_graphs=self.job.rollout.cuda_graphs,
-            ))
+            status = engine.configure(self._engine_config(index))
         self.fleet.in_pool = set(range(len(self.fleet.engines)))
         if self.fleet.trainers:
             sync = self.job.weight_sync
+            exact = sync.verify == "exact"
             self.syncer = WeightSyncer(
                 trainer=self.fleet.trainers[0], engines=self.fleet.engines,
                 trainer_caps=self.fleet.trainers[0].capabilities, engine_caps=[e.capabilities for e in self.fleet.engines],
@@ -193,6 +179,51 @@ class RLLoop:
         else:
             self.weights_version, self.checkpoint_step = status.weight_version, status.checkpoint_step
             self.emit("log", 0, {"message": "no trainer: engines loaded the checkpoint themselves"})
+
+    def _engine_config(self, index: int) -> rollout_pb2.RolloutConfig:
+        exact = self.job.weight_sync.verify == "exact"
+        sg = self.job.rollout.sglang
+        return rollout_pb2.RolloutConfig(
+            model_path=str(self.job.model),
+            engine=self.job.rollout.engine,
+            sglang=rollout_pb2.SglangConfig(
+                url=sg.url or "", args=list(sg.args), command=list(sg.command),
+                startup_timeout_s=sg.startup_timeout_s, memory_saver=sg.memory_saver,
+                request_timeout_s=sg.request_timeout_s,
+            ),
+            device=self.job.rollout.device_of(index, self.job.trainer.device),
+            dtype=self.job.trainer.dtype,
+            seed=self.job.seed,
+            # exact verification starts engines from scrambled weights: only the sync can fix them
+            load_weights=not (exact and self.fleet.trainers),
+            max_batch_size=self.job.rollout.max_batch_size,
+            kv_cache_fraction=self.job.rollout.kv_cache_fraction,
+            cuda_graphs=self.job.rollout.cuda_graphs,
+        )
+
+    def recover_engines(self, step: int) -> int:
+        """Engines out of the pool whose worker now answers at another address (a restarted pod)
+        are reached there, configured and given the current weights; how many came back."""
+        if self.fleet.relocate is None or self.syncer is None:
+            return 0
+        moved = []
+        for index in sorted(set(range(len(self.fleet.engines))) - self.fleet.in_pool):
+            old = self.fleet.engines[index]
+            new = self.fleet.relocate(index)
+            if new is None or new.address == old.address or new.address in {e.address for e in self.fleet.engines}:
+                continue
+            try:
+                new.configure(self._engine_config(index))
+            except PeerError as e:
+                self.emit("log", step, {"message": f"engine {index} at {new.address} is not ready yet: {e}"})
+                continue
+            self.fleet.engines[index] = new
+            self.syncer.replace_engine(index, new)
+            moved.append(index)
+            self.emit("log", step, {"message": f"engine {index} moved from {old.address} to {new.address}; resyncing it"})
+        if moved:
+            self.sync_weights(step)  # the moved engines rejoin with the current version, or stay out
+        return len(set(moved) & self.fleet.in_pool)
 
     # ---- weights -----------------------------------------------------------------------------
     def sync_weights(self, step: int) -> dict:
@@ -238,7 +269,7 @@ class RLLoop:
         while pending:
             pool = sorted(self.fleet.in_pool)
             if not pool:
-                raise RuntimeError("no rollout engine left in the pool")
+                pool = self._wait_for_an_engine()
             shards = [pending[k :: len(pool)] for k in range(len(pool))]
             futures = {
                 engine: self._pool.submit(self._generate_on, engine, [prompts[i] for i in shard], sampling)
@@ -258,6 +289,18 @@ class RLLoop:
                 for prompt_index, group in zip(shard, per_prompt):
                     results[prompt_index] = group
         return [c for i in range(len(prompts)) for c in results[i]]
+
+    def _wait_for_an_engine(self, wait_s: float = 300.0, poll_s: float = 2.0) -> list[int]:
+        """Every engine has failed: wait (bounded) for one to come back at a new address."""
+        deadline = time.monotonic() + (wait_s if self.fleet.relocate is not None else 0.0)
+        while True:
+            self._check_cancelled()
+            self.recover_engines(step=0)
+            if self.fleet.in_pool:
+                return sorted(self.fleet.in_pool)
+            if time.monotonic() >= deadline:
+                raise RuntimeError("no rollout engine left in the pool")
+            time.sleep(poll_s)
 
     def _generate_on(self, engine: int, prompts: list[str], sampling) -> list[list[Completion]]:
         client = self.fleet.engines[engine]
@@ -289,6 +332,8 @@ class RLLoop:
     # ---- training ----------------------------------------------------------------------------
     def rl_step(self, step: int, examples: list[Example]) -> dict[str, float]:
         job, algo = self.job, self.job.algorithm
+        if len(self.fleet.in_pool) < len(self.fleet.engines):
+            self.recover_engines(step)
         n = job.rollout.samples_per_prompt
         t0 = time.perf_counter()
         sampling = sampling_params(job.rollout.sampling, n=n, seed=self._rng.randrange(2**31))

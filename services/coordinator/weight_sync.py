@@ -100,10 +100,18 @@ class WeightSyncer:
         self.trainer, self.engines = trainer, engines
         self.trainer_caps, self.engine_caps = trainer_caps, engine_caps
         self.exact, self.timeout_s, self.token, self._pool = exact, timeout_s, token, pool
+        self._forced = forced
         self.planes = [choose_plane(trainer_caps, caps, forced, e.address) for e, caps in zip(engines, engine_caps)]
         _check_nccl_ranks(trainer_caps, [(e.address, caps) for e, caps, plane in zip(engines, engine_caps, self.planes)
                                          if plane == "broadcast"])
         self._group: _Group | None = None
+
+    def replace_engine(self, index: int, client: RolloutClient) -> None:
+        """Engine `index` is now `client` (its worker moved): new capabilities, plane and group."""
+        self.engines[index] = client
+        self.engine_caps[index] = client.capabilities
+        self.planes[index] = choose_plane(self.trainer_caps, client.capabilities, self._forced, client.address)
+        self._drop_group()  # the member at this rank is another process now
 
     def sync(self, alive: set[int]) -> SyncResult:
         """Sync every engine in `alive` (plus any that answers again); returns who got the weights."""
