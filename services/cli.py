@@ -58,11 +58,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.role == "trainer":
         from services.trainer.server import build_server
 
-        server = build_server(address, token, checkpoint_root=args.checkpoint_root)
+        server = build_server(address, token, checkpoint_root=args.checkpoint_root, metrics_port=args.metrics_port)
     elif args.role == "rollout":
         from services.rollout.server import build_server
 
-        server = build_server(address, token)
+        server = build_server(address, token, metrics_port=args.metrics_port)
     else:
         from services.coordinator.discovery import DiscoveryError
         from services.coordinator.serve import build_coordinator
@@ -230,6 +230,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--checkpoint-root", default=os.environ.get("RLFLEET_CHECKPOINT_ROOT", "."),
                        help="trainer: checkpoints are saved and loaded under this folder only "
                             "(default: RLFLEET_CHECKPOINT_ROOT, else the working directory)")
+    serve.add_argument("--metrics-port", type=int, default=None,
+                       help="trainer, rollout: serve Prometheus metrics at http://HOST:PORT/metrics (0: a free port)")
     serve.add_argument("--trainers", help="coordinator: comma-separated trainer addresses")
     serve.add_argument("--rollouts", help="coordinator: comma-separated rollout engine addresses")
     serve.add_argument("--worker-token-file", help="coordinator: token for trainers and engines")

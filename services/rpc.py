@@ -78,6 +78,7 @@ class Server:
     port: int
     service_names: tuple[str, ...]
     on_stop: list[Callable[[], None]] = field(default_factory=list)  # run after the last call ends
+    metrics_port: int | None = None  # where /metrics is served (trainer, rollout), when it is
 
     def set_serving(self, serving: bool) -> None:
         status = (

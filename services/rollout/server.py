@@ -13,7 +13,7 @@ import time
 
 import grpc
 
-from services import devices, profiling, rpc
+from services import devices, profiling, rpc, telemetry
 from services.api import rollout_pb2, rollout_pb2_grpc, trainer_pb2, weights_pb2
 from services.rollout import receiver
 from services.rollout.builtin.scheduler import GenerationCancelled
@@ -77,7 +77,8 @@ def _check_sizes(request: rollout_pb2.GenerateRequest, sampling: Sampling, max_p
 
 
 class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
-    def __init__(self):
+    def __init__(self, metrics: telemetry.RolloutMetrics | None = None):
+        self.metrics = metrics or telemetry.RolloutMetrics()
         self._engine: GenerationEngine | None = None
         self._update_lock = threading.Lock()
         self._groups: dict[str, WeightGroup] = {}
@@ -145,6 +146,20 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
         return self._status()
 
     def Generate(self, request, context):
+        started = time.perf_counter()
+        self.metrics.in_flight.inc()
+        outcome = "error"
+        try:
+            reply = self._generate(request, context)
+            outcome = "ok"
+            self.metrics.tokens.inc(sum(len(c.output_ids) for c in reply.results))
+            self.metrics.generate_seconds.observe(time.perf_counter() - started)
+            return reply
+        finally:
+            self.metrics.in_flight.dec()
+            self.metrics.requests.labels(outcome).inc()
+
+    def _generate(self, request, context):
         with self._waiting.enter(context, "Generate"), rpc.abort_on(context, _ERRORS):
             engine = self._require(context)
             if request.prompts and request.input_ids:
@@ -198,11 +213,14 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
                 with profiling.profiled("rollout", f"update-{manifest.version}"):
                     copied = self._receive_and_apply(engine, request, manifest, read_back, timeout_s)
             except (WeightSyncError, InvalidChunk, grpc.RpcError) as e:
+                self.metrics.updates_failed.inc()
+                self.metrics.serving.set(0.0)
                 reason = e.details() if isinstance(e, grpc.RpcError) else str(e)
                 engine.leave_pool(f"weight update to version {manifest.version} failed: {reason}")
                 log.warning("update to version %d failed: %s", manifest.version, reason)
                 raise WeightSyncError(engine.last_error) from e
             seconds = time.perf_counter() - started
+            self._update_metrics(source, copied, seconds, manifest.version)
             log.info("weights version %d: %.1f MB in %.1f ms (checking the manifest %.1f ms, receiving and verifying "
                      "%.1f ms, loading into the model %.1f ms)", manifest.version, copied / 1e6, 1e3 * seconds,
                      1e3 * (checked - started), 1e3 * (seconds - (checked - started) - engine.last_apply_seconds),
@@ -214,6 +232,13 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
                 bytes=copied,
             )
 
+    def _update_metrics(self, source: str, copied: int, seconds: float, version: int) -> None:
+        plane = "grpc_stream" if source == "trainer" else source
+        self.metrics.update_bytes.labels(plane).inc(copied)
+        self.metrics.update_seconds.labels(plane).observe(seconds)
+        self.metrics.weights_version.set(version)
+        self.metrics.serving.set(1.0)
+
     def _update_by_engine(self, engine, request, manifest, timeout_s: float, started: float):
         if request.verify == weights_pb2.VERIFY_MODE_EXACT:
             raise ValueError("verify: exact verification needs the engine to read back what it loaded; "
@@ -221,10 +246,13 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
         try:
             copied = engine.update_from_broadcast(manifest, request.broadcast.group_name, timeout_s)
         except WeightSyncError as e:
+            self.metrics.updates_failed.inc()
+            self.metrics.serving.set(0.0)
             engine.leave_pool(f"weight update to version {manifest.version} failed: {e}")
             log.warning("update to version %d failed: %s", manifest.version, e)
             raise
         seconds = time.perf_counter() - started
+        self._update_metrics(request.WhichOneof("source"), copied, seconds, manifest.version)
         log.info("weights version %d: %.1f MB loaded by the engine in %.1f ms", manifest.version, copied / 1e6,
                  1e3 * seconds)
         # fingerprints: none. The engine loaded bytes it cannot fingerprint (see docs/sglang.md).
@@ -324,7 +352,8 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
             return rollout_pb2.GetWeightFingerprintsResponse(version=engine.weight_version, fingerprints=prints)
 
 
-def build_server(address: str = "127.0.0.1:0", token: str | None = None) -> rpc.Server:
+def build_server(address: str = "127.0.0.1:0", token: str | None = None, metrics_port: int | None = None) -> rpc.Server:
+    """A rollout server; Prometheus metrics at http://<host>:<metrics_port>/metrics when given."""
     servicer = RolloutServicer()
     server = rpc.create_server(
         lambda s: rollout_pb2_grpc.add_RolloutServicer_to_server(servicer, s),
@@ -333,5 +362,9 @@ def build_server(address: str = "127.0.0.1:0", token: str | None = None) -> rpc.
         token=token,
     )
     server.on_stop.append(servicer.close)
+    if metrics_port is not None:
+        http = telemetry.serve(servicer.metrics.registry, address.rpartition(":")[0], metrics_port)
+        server.metrics_port = http.server_port
+        server.on_stop.append(http.shutdown)
     server.set_serving(True)
     return server

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import grpc
 
-from services import devices, rpc
+from services import devices, rpc, telemetry
 from services.api import trainer_pb2, trainer_pb2_grpc, weights_pb2
 from services.trainer.batch import Sample
 from services.trainer.settings import LossSettings, OptimizerSettings, SchedulerSettings, TrainerSettings
@@ -105,8 +105,9 @@ def _lifecycle_proto(state) -> trainer_pb2.LifecycleStatus:
 
 
 class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
-    def __init__(self, checkpoint_root: Path = Path(".")):
+    def __init__(self, checkpoint_root: Path = Path("."), metrics: telemetry.TrainerMetrics | None = None):
         self._checkpoint_root = checkpoint_root
+        self.metrics = metrics or telemetry.TrainerMetrics()
         self._lock = threading.Lock()
         self._trainer: TrainerBackend | None = None
         self._rank_store = None  # rank 0's rendezvous store, from OpenRankGroup until the group forms
@@ -208,11 +209,22 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
 
     def Sleep(self, request, context):
         with self._mutating(), rpc.abort_on(context, _ERRORS):
-            return trainer_pb2.SleepResponse(status=_lifecycle_proto(self._require(context).sleep()))
+            with self.metrics.lifecycle_seconds.labels("sleep").time():
+                state = self._require(context).sleep()
+            self._lifecycle_metrics("sleep", state)
+            return trainer_pb2.SleepResponse(status=_lifecycle_proto(state))
 
     def WakeUp(self, request, context):
         with self._mutating(), rpc.abort_on(context, _ERRORS):
-            return trainer_pb2.WakeUpResponse(status=_lifecycle_proto(self._require(context).wake()))
+            with self.metrics.lifecycle_seconds.labels("wake").time():
+                state = self._require(context).wake()
+            self._lifecycle_metrics("wake", state)
+            return trainer_pb2.WakeUpResponse(status=_lifecycle_proto(state))
+
+    def _lifecycle_metrics(self, call: str, state) -> None:
+        self.metrics.lifecycle.labels(call).inc()
+        self.metrics.asleep.set(float(state.asleep))
+        self.metrics.device_bytes.set(state.gpu_bytes_in_use)
 
     def ComputeLogProbs(self, request, context):
         with self._mutating(), rpc.abort_on(context, _ERRORS):
@@ -225,11 +237,17 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
     def TrainStep(self, request, context):
         with self._mutating(), rpc.abort_on(context, _ERRORS):
             trainer = self._require(context)
-            result = trainer.train_step(
-                samples_from_proto(request.batch),
-                sft=request.loss == trainer_pb2.LOSS_KIND_SFT,
-                lr=request.lr if request.lr != 0 else None,  # 0: unset; NaN, inf and < 0 are refused
-            )
+            samples = samples_from_proto(request.batch)
+            with self.metrics.step_seconds.time():
+                result = trainer.train_step(
+                    samples,
+                    sft=request.loss == trainer_pb2.LOSS_KIND_SFT,
+                    lr=request.lr if request.lr != 0 else None,  # 0: unset; NaN, inf and < 0 are refused
+                )
+            self.metrics.steps.inc()
+            self.metrics.tokens.inc(sum(len(s.response_ids) for s in samples))
+            self.metrics.weights_version.set(result.weights_version)
+            self.metrics.asleep.set(0.0)
             return trainer_pb2.TrainStepResponse(
                 metrics=result.metrics, weights_version=result.weights_version, step=result.step
             )
@@ -271,6 +289,8 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
                     encoded=True,  # registered to send bytes as they are: see build_server
                     guard=held.copying,
                 )
+                wanted = list(request.buckets) or range(num_buckets)
+                self.metrics.sent_bytes.labels("grpc_stream").inc(sum(snap.manifest.buckets[b].nbytes for b in wanted))
             except StreamCutOff as e:
                 context.abort(grpc.StatusCode.ABORTED, f"version: {e} (version {request.version}); pull the new version")
 
@@ -291,6 +311,9 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         with self._lock, rpc.abort_on(context, _ERRORS):
             self._require(context)
             manifest, names, handles, staged, seconds = self._pusher.push(request)
+            plane = weights_pb2.WeightPlane.Name(request.plane).removeprefix("WEIGHT_PLANE_").lower()
+            self.metrics.sent_bytes.labels(plane).inc(manifest.total_bytes)
+            self.metrics.push_seconds.labels(plane).observe(seconds)
             reply = trainer_pb2.PushWeightsResponse(
                 manifest=self._manifests.encode(manifest), seconds=seconds, shm_segments=names,
                 cuda_ipc_handles=handles, release_required=staged,
@@ -356,8 +379,9 @@ def confine(path: str, root: Path) -> Path:
 
 
 def build_server(address: str = "127.0.0.1:0", token: str | None = None,
-                 checkpoint_root: str | Path = ".") -> rpc.Server:
-    """A trainer server; checkpoints go under `checkpoint_root` only (default: the working directory)."""
+                 checkpoint_root: str | Path = ".", metrics_port: int | None = None) -> rpc.Server:
+    """A trainer server; checkpoints go under `checkpoint_root` only (default: the working
+    directory); Prometheus metrics at http://<host>:<metrics_port>/metrics when given."""
     servicer = TrainerServicer(Path(checkpoint_root))
     server = rpc.create_server(
         lambda s: rpc.add_servicer(trainer_pb2_grpc.add_TrainerServicer_to_server, servicer, s, serialized=("GetWeights",)),
@@ -366,5 +390,9 @@ def build_server(address: str = "127.0.0.1:0", token: str | None = None,
         token=token,
     )
     server.on_stop.append(servicer.close)
+    if metrics_port is not None:
+        http = telemetry.serve(servicer.metrics.registry, address.rpartition(":")[0], metrics_port)
+        server.metrics_port = http.server_port
+        server.on_stop.append(http.shutdown)
     server.set_serving(True)
     return server
