@@ -36,6 +36,9 @@ FROM base AS torch-cuda
 ARG TORCH_VERSION=2.13.0
 ARG TORCH_INDEX_URL=https://pypi.org/simple
 RUN pip install --no-cache-dir --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}"
+# `all` exposes every GPU of the host wherever the NVIDIA runtime runs this image, asked or not:
+# the Helm chart sets NVIDIA_VISIBLE_DEVICES=void in pods that requested no GPU (the runtime then
+# exposes none); a pod with GPUs gets its own from the device plugin.
 ENV NVIDIA_VISIBLE_DEVICES=all \
     NVIDIA_DRIVER_CAPABILITIES=compute,utility
 
@@ -48,7 +51,9 @@ WORKDIR /opt/rlfleet/src
 COPY pyproject.toml README.m[d] ./
 COPY services ./services
 # hadolint ignore=DL3013
-RUN pip install --no-cache-dir ".[k8s]" && python -c "import services.cli, services.rollout.sglang.engine"
+# The import check runs from / in isolated mode (-I: no script directory on sys.path), so it
+# imports the installed package, not the sources copied beside it.
+RUN pip install --no-cache-dir ".[k8s]" && cd / && python -I -c "import services.cli, services.rollout.sglang.engine"
 ENTRYPOINT ["rlfleet"]
 
 # hadolint ignore=DL3006
@@ -62,9 +67,10 @@ WORKDIR /opt/rlfleet/src
 COPY pyproject.toml README.m[d] ./
 COPY services ./services
 # hadolint ignore=DL3013
+# The import check runs from / in isolated mode (-I), so it tests the installed package.
 RUN pip install --no-cache-dir ".[k8s,megatron]" \
  && rm -rf build ./*.egg-info \
- && python -c "import services.cli, services.coordinator.k8s_discovery"
+ && cd / && python -I -c "import services.cli, services.coordinator.k8s_discovery"
 COPY examples ./examples
 RUN groupadd --system --gid 10001 rlfleet \
  && useradd --system --uid 10001 --gid 10001 --home-dir /tmp --no-create-home --shell /usr/sbin/nologin rlfleet

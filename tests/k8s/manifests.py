@@ -20,11 +20,31 @@ WORKLOADS = ("Deployment", "StatefulSet", "Job")
 COMPONENT = "app.kubernetes.io/component"
 
 
+def _minor(version: str) -> tuple[int, int]:
+    major, minor = re.match(r"v?(\d+)\.(\d+)", version).groups()
+    return int(major), int(minor)
+
+
+@functools.cache
+def chart_min_k8s() -> tuple[int, int]:
+    """The oldest Kubernetes the chart installs on: its Chart.yaml `kubeVersion: ">=1.27.0-0"`."""
+    meta = yaml.safe_load((CHART / "Chart.yaml").read_text())
+    constraint = meta["kubeVersion"]
+    assert re.fullmatch(r">=\s*\d+\.\d+(\.\d+)?(-0)?", constraint), f"update chart_min_k8s for {constraint!r}"
+    return _minor(constraint.lstrip(">= "))
+
+
 @functools.cache
 def k8s_versions() -> tuple[str, ...]:
+    """The oldest and the newest schema versions kubernetes-validate ships, the oldest raised to the
+    chart's kubeVersion floor (Helm refuses to install the chart below it, so older schemas would
+    hold it to APIs it never meets)."""
     import kubernetes_validate
 
-    return ("1.30", kubernetes_validate.utils.major_minor(kubernetes_validate.latest_version()))
+    shipped = sorted({_minor(v) for v in kubernetes_validate.utils.all_versions()})
+    supported = [v for v in shipped if v >= chart_min_k8s()]
+    assert supported, f"kubernetes-validate ships no schema >= {chart_min_k8s()}"
+    return tuple(dict.fromkeys(f"{major}.{minor}" for major, minor in (supported[0], supported[-1])))
 
 
 def load_all(text: str) -> list[dict[str, Any]]:

@@ -46,6 +46,11 @@ app.kubernetes.io/part-of: rlfleet
 helm.sh/chart: {{ include "rlfleet.chart" .root }}
 {{- end }}
 
+{{/* The eval Job of this release revision. */}}
+{{- define "rlfleet.evalJobName" -}}
+{{- printf "%s-eval-%d" (include "rlfleet.fullname" .) (int .Release.Revision) }}
+{{- end }}
+
 {{- define "rlfleet.serviceAccountName" -}}
 {{- if .Values.serviceAccount.create }}
 {{- default (printf "%s-coordinator" (include "rlfleet.fullname" .)) .Values.serviceAccount.name }}
@@ -60,6 +65,11 @@ helm.sh/chart: {{ include "rlfleet.chart" .root }}
 {{- default "torch" (get $rollout "engine") }}
 {{- end }}
 
+{{/* GPUs of one pod of a role (0 for the coordinator). Call with (dict "root" $ "role" "trainer"). */}}
+{{- define "rlfleet.gpus" -}}
+{{- int (get .root.Values.gpusPerPod .role | default 0) }}
+{{- end }}
+
 {{/* The image of a worker role: the SGLang image for rollout pods of an sglang job. Call with (dict "root" $ "role" "rollout"). */}}
 {{- define "rlfleet.workerImage" -}}
 {{- $root := .root }}
@@ -69,16 +79,24 @@ helm.sh/chart: {{ include "rlfleet.chart" .root }}
 {{- end }}
 {{- printf "%s:%s" $root.Values.sglang.image.repository (default "latest" $root.Values.sglang.image.tag) }}
 {{- else }}
-{{- include "rlfleet.image" $root }}
+{{- include "rlfleet.image" . }}
 {{- end }}
 {{- end }}
 
+{{/*
+The rlfleet image of a role: the cuda variant where the role has GPUs, else the cpu variant (the
+coordinator always); repository@digest when that variant has a digest, else the tag (by default
+<appVersion>-<variant>). Call with (dict "root" $ "role" "coordinator").
+*/}}
 {{- define "rlfleet.image" -}}
-{{- $variant := "cpu" }}
-{{- if or (gt (int .Values.gpusPerPod.trainer) 0) (gt (int .Values.gpusPerPod.rollout) 0) }}
-{{- $variant = "cuda" }}
+{{- $image := .root.Values.image }}
+{{- $variant := ternary "cuda" "cpu" (gt (int (include "rlfleet.gpus" .)) 0) }}
+{{- $digest := get (default dict $image.digest) $variant }}
+{{- if $digest }}
+{{- printf "%s@%s" $image.repository $digest }}
+{{- else }}
+{{- printf "%s:%s" $image.repository (default (printf "%s-%s" .root.Chart.AppVersion $variant) $image.tag) }}
 {{- end }}
-{{- printf "%s:%s" .Values.image.repository (default (printf "%s-%s" .Chart.AppVersion $variant) .Values.image.tag) }}
 {{- end }}
 
 {{/*
@@ -142,13 +160,87 @@ a zero-length LR schedule for an eval.
 {{- $_ := set $job "trainer" $trainer }}
 {{- end }}
 {{- $_ := set $job "rollout" $rollout }}
+{{- include "rlfleet.jobDevices" (dict "root" . "job" $job) }}
+{{- include "rlfleet.jobStorage" (dict "root" . "job" $job) }}
 {{- toYaml $job }}
+{{- end }}
+
+{{/*
+The job's devices follow gpusPerPod, so a GPU a pod is given is a GPU the job computes on:
+trainer.device is cuda with trainer GPUs and cpu without; rollout.devices is [cuda] with rollout
+GPUs and [cpu] without (set explicitly: its default, the trainer's device, would put engines on a
+GPU their pod lacks). A device the job sets itself must agree. Edits .job in place.
+*/}}
+{{- define "rlfleet.jobDevices" -}}
+{{- $job := .job }}
+{{- $trainerGpus := int .root.Values.gpusPerPod.trainer }}
+{{- $rolloutGpus := int .root.Values.gpusPerPod.rollout }}
+{{- $trainer := default dict (get $job "trainer") }}
+{{- $device := toString (default (ternary "cuda" "cpu" (gt $trainerGpus 0)) (get $trainer "device")) }}
+{{- if and (gt $trainerGpus 0) (not (hasPrefix "cuda" $device)) }}
+{{- fail (printf "job.trainer.device: %s, but gpusPerPod.trainer is %d: a trainer pod's GPU would idle; leave job.trainer.device out (the chart sets cuda) or set gpusPerPod.trainer: 0" $device $trainerGpus) }}
+{{- end }}
+{{- if and (eq $trainerGpus 0) (hasPrefix "cuda" $device) }}
+{{- fail (printf "job.trainer.device: %s, but gpusPerPod.trainer is 0: trainer pods have no GPU; set gpusPerPod.trainer: 1 (the chart then sets the device)" $device) }}
+{{- end }}
+{{- if and (hasPrefix "cuda:" $device) (ne $device "cuda:0") }}
+{{- fail (printf "job.trainer.device: %s, but a trainer pod sees its %d GPU as cuda:0; use cuda" $device $trainerGpus) }}
+{{- end }}
+{{- $_ := set $trainer "device" $device }}
+{{- $_ := set $job "trainer" $trainer }}
+{{- $rollout := get $job "rollout" }}
+{{- $devices := default (list (ternary "cuda" "cpu" (gt $rolloutGpus 0))) (get $rollout "devices") }}
+{{- range $devices }}
+{{- $d := toString . }}
+{{- if and (gt $rolloutGpus 0) (not (hasPrefix "cuda" $d)) }}
+{{- fail (printf "job.rollout.devices: %s, but gpusPerPod.rollout is %d: a rollout pod's GPUs would idle; leave job.rollout.devices out (the chart sets [cuda]) or set gpusPerPod.rollout: 0" $d $rolloutGpus) }}
+{{- end }}
+{{- if and (eq $rolloutGpus 0) (hasPrefix "cuda" $d) }}
+{{- fail (printf "job.rollout.devices: %s, but gpusPerPod.rollout is 0: rollout pods have no GPU; set gpusPerPod.rollout (the chart then sets the devices)" $d) }}
+{{- end }}
+{{- if and (hasPrefix "cuda:" $d) (ge (int (trimPrefix "cuda:" $d)) $rolloutGpus) }}
+{{- fail (printf "job.rollout.devices: %s, but a rollout pod has %d GPU(s), cuda:0 to cuda:%d" $d $rolloutGpus (sub $rolloutGpus 1)) }}
+{{- end }}
+{{- end }}
+{{- $_ := set $rollout "devices" $devices }}
+{{- end }}
+
+{{/*
+Where the job writes: checkpoints need the shared volume (trainer 0 writes them, the coordinator
+reads them to resume), and a path the job sets must lie on it. output_dir left out: the
+coordinator puts it under --runs-dir (<sharedStorage.mountPath>/runs). Checks only.
+*/}}
+{{- define "rlfleet.jobStorage" -}}
+{{- $job := .job }}
+{{- $shared := .root.Values.sharedStorage }}
+{{- $checkpoint := default dict (get $job "checkpoint") }}
+{{- if and (gt (int (default 0 (get $checkpoint "every"))) 0) (not $shared.enabled) }}
+{{- fail "job.checkpoint.every: trainer 0 writes checkpoints where the coordinator reads them, so both pods need one volume: set sharedStorage.enabled: true (a ReadWriteMany claim the chart creates, or sharedStorage.existingClaim)" }}
+{{- end }}
+{{- range $key, $path := dict "output_dir" (get $job "output_dir") "checkpoint.dir" (get $checkpoint "dir") }}
+{{- if $path }}
+{{- if not $shared.enabled }}
+{{- fail (printf "job.%s: %s is on no volume the pods can write; enable sharedStorage and leave it out (or put it under sharedStorage.mountPath)" $key $path) }}
+{{- end }}
+{{- if not (hasPrefix (printf "%s/" $shared.mountPath) (toString $path)) }}
+{{- fail (printf "job.%s: %s is outside sharedStorage.mountPath (%s), which is all the coordinator and the trainers share; leave it out or put it under %s" $key $path $shared.mountPath $shared.mountPath) }}
+{{- end }}
+{{- end }}
+{{- end }}
 {{- end }}
 
 {{/* Resource requests and limits of a role, with its GPUs. Call with (dict "root" $ "role" "trainer"). */}}
 {{- define "rlfleet.resources" -}}
 {{- $res := deepCopy (get .root.Values.resources .role) }}
-{{- $gpus := int (get .root.Values.gpusPerPod .role | default 0) }}
+{{- $role := .role }}
+{{- range $kind := list "requests" "limits" }}
+{{- range $name, $_ := (get $res $kind | default dict) }}
+{{- if hasSuffix "/gpu" $name }}
+{{- fail (printf "resources.%s.%s: %s: GPUs come from gpusPerPod (it also picks the CUDA image and the job's devices); remove it here%s" $role $kind $name (ternary " (the coordinator needs no GPU)" (printf " and set gpusPerPod.%s" $role) (eq $role "coordinator"))) }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- $gpus := int (include "rlfleet.gpus" .) }}
 {{- if gt $gpus 0 }}
 {{- $limits := default dict (get $res "limits") }}
 {{- $requests := default dict (get $res "requests") }}
@@ -214,6 +306,7 @@ readinessProbe:
 {{- end }}
 {{- end }}
 
+{{/* Call with (dict "root" $ "role" "trainer"). */}}
 {{- define "rlfleet.env" -}}
 - name: POD_NAMESPACE
   valueFrom:
@@ -230,7 +323,13 @@ readinessProbe:
   value: /tmp/.cache
 - name: MPLCONFIGDIR
   value: /tmp/matplotlib
-{{- with .Values.extraEnv }}
+{{- if eq (int (include "rlfleet.gpus" .)) 0 }}
+# The CUDA image says NVIDIA_VISIBLE_DEVICES=all, which the NVIDIA container runtime obeys even
+# in a pod that requested no GPU: void exposes none (as with runc).
+- name: NVIDIA_VISIBLE_DEVICES
+  value: void
+{{- end }}
+{{- with .root.Values.extraEnv }}
 {{ toYaml . }}
 {{- end }}
 {{- end }}
@@ -315,22 +414,90 @@ tls.key and ca.crt, e.g. made by cert-manager). */}}
 {{- end }}
 {{- end }}
 
+{{/*
+Pod placement of a role: the role's block (coordinator, trainer, rollout or evalJob) merged over
+the global values, plus the toleration of the nvidia.com/gpu taint for a role with GPUs.
+Call with (dict "root" $ "role" "trainer" "block" "trainer").
+*/}}
 {{- define "rlfleet.scheduling" -}}
-{{- with .Values.imagePullSecrets }}
+{{- $v := .root.Values }}
+{{- $own := default dict (get $v .block) }}
+{{- $nodeSelector := merge (deepCopy (default dict $own.nodeSelector)) (deepCopy (default dict $v.nodeSelector)) }}
+{{- $tolerations := concat (default list $v.tolerations) (default list $own.tolerations) }}
+{{- if gt (int (include "rlfleet.gpus" .)) 0 }}
+{{- $gpu := dict "key" "nvidia.com/gpu" "operator" "Exists" "effect" "NoSchedule" }}
+{{- if not (has $gpu $tolerations) }}
+{{- $tolerations = append $tolerations $gpu }}
+{{- end }}
+{{- end }}
+{{- $affinity := merge (deepCopy (default dict $own.affinity)) (deepCopy (default dict $v.affinity)) }}
+{{- with $v.imagePullSecrets }}
 imagePullSecrets:
   {{- toYaml . | nindent 2 }}
 {{- end }}
-{{- with .Values.nodeSelector }}
+{{- with default $v.priorityClassName $own.priorityClassName }}
+priorityClassName: {{ . }}
+{{- end }}
+{{- with default $v.runtimeClassName $own.runtimeClassName }}
+runtimeClassName: {{ . }}
+{{- end }}
+{{- with $nodeSelector }}
 nodeSelector:
   {{- toYaml . | nindent 2 }}
 {{- end }}
-{{- with .Values.tolerations }}
+{{- with uniq $tolerations }}
 tolerations:
   {{- toYaml . | nindent 2 }}
 {{- end }}
-{{- with .Values.affinity }}
+{{- with $affinity }}
 affinity:
   {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- end }}
+
+{{/*
+Pod template labels (the chart's, which the selectors and the coordinator's discovery rely on,
+win over podLabels) and annotations (the role's over the global; extra ones such as a config
+checksum over both). Call with (dict "root" $ "component" "trainer" "block" "trainer" "annotations" dict).
+*/}}
+{{- define "rlfleet.podMetadata" -}}
+{{- $v := .root.Values }}
+{{- $own := default dict (get $v .block) }}
+{{- $chart := fromYaml (include "rlfleet.labels" .) }}
+{{- $labels := merge $chart (deepCopy (default dict $own.podLabels)) (deepCopy (default dict $v.podLabels)) }}
+{{- $annotations := merge (default dict .annotations) (deepCopy (default dict $own.podAnnotations)) (deepCopy (default dict $v.podAnnotations)) }}
+labels:
+  {{- toYaml $labels | nindent 2 }}
+{{- with $annotations }}
+annotations:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- end }}
+
+{{- define "rlfleet.sharedClaim" -}}
+{{- default (printf "%s-shared" (include "rlfleet.fullname" .)) .Values.sharedStorage.existingClaim }}
+{{- end }}
+
+{{/* The shared volume (sharedStorage), when on: read-write for the coordinator and trainers,
+read-only for rollout pods. Call with (dict "root" $ "role" "trainer"). */}}
+{{- define "rlfleet.sharedVolume" -}}
+{{- if .root.Values.sharedStorage.enabled }}
+- name: shared
+  persistentVolumeClaim:
+    claimName: {{ include "rlfleet.sharedClaim" .root }}
+    {{- if eq .role "rollout" }}
+    readOnly: true
+    {{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "rlfleet.sharedMount" -}}
+{{- if .root.Values.sharedStorage.enabled }}
+- name: shared
+  mountPath: {{ .root.Values.sharedStorage.mountPath }}
+  {{- if eq .role "rollout" }}
+  readOnly: true
+  {{- end }}
 {{- end }}
 {{- end }}
 
@@ -352,7 +519,7 @@ affinity:
 - --host=0.0.0.0
 - --port=50051
 - --db=/var/lib/rlfleet/jobs.db
-- --runs-dir=/var/lib/rlfleet/runs
+- --runs-dir={{ ternary (printf "%s/runs" .Values.sharedStorage.mountPath) "/var/lib/rlfleet/runs" .Values.sharedStorage.enabled }}
 - --discovery=kubernetes
 - --namespace=$(POD_NAMESPACE)
 - --instance={{ .Release.Name }}

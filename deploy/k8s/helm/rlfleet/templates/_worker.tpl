@@ -7,6 +7,7 @@ Service only gives them names. Call with (dict "root" $ "role" "trainer" "servic
 {{- $root := .root }}
 {{- $name := printf "%s-%s" (include "rlfleet.fullname" $root) .role }}
 {{- $ctx := dict "root" $root "component" .role }}
+{{- $pod := dict "root" $root "role" .role "component" .role "block" .role }}
 apiVersion: v1
 kind: Service
 metadata:
@@ -40,19 +41,14 @@ spec:
       {{- include "rlfleet.selectorLabels" $ctx | nindent 6 }}
   template:
     metadata:
-      labels:
-        {{- include "rlfleet.labels" $ctx | nindent 8 }}
-      {{- with $root.Values.podAnnotations }}
-      annotations:
-        {{- toYaml . | nindent 8 }}
-      {{- end }}
+      {{- include "rlfleet.podMetadata" $pod | nindent 6 }}
     spec:
       automountServiceAccountToken: false
       enableServiceLinks: false
       terminationGracePeriodSeconds: 30
       securityContext:
         {{- include "rlfleet.podSecurityContext" $root | nindent 8 }}
-      {{- with include "rlfleet.scheduling" $root }}{{ . | nindent 6 }}{{ end }}
+      {{- with include "rlfleet.scheduling" $pod }}{{ . | nindent 6 }}{{ end }}
       containers:
         - name: {{ .role }}
           image: {{ include "rlfleet.workerImage" (dict "root" $root "role" .role) }}
@@ -63,6 +59,11 @@ spec:
             - --host=0.0.0.0
             - --port=50051
             - --log-level={{ $root.Values.logLevel }}
+            {{- if and (eq .role "trainer") $root.Values.sharedStorage.enabled }}
+            # Checkpoints are written and read under the shared volume only, where the coordinator
+            # (which names their paths) has it mounted as well.
+            - --checkpoint-root={{ $root.Values.sharedStorage.mountPath }}
+            {{- end }}
             {{- include "rlfleet.tokenArgs" $root | nindent 12 }}
             {{- include "rlfleet.tlsArgs" $root | nindent 12 }}
           ports:
@@ -70,7 +71,7 @@ spec:
               containerPort: 50051
               protocol: TCP
           env:
-            {{- include "rlfleet.env" $root | nindent 12 }}
+            {{- include "rlfleet.env" $pod | nindent 12 }}
           {{- include "rlfleet.probes" (dict "root" $root "service" .service "readiness" true) | nindent 10 }}
           resources:
             {{- include "rlfleet.resources" (dict "root" $root "role" .role) | nindent 12 }}
@@ -78,11 +79,13 @@ spec:
             {{- include "rlfleet.containerSecurityContext" $root | nindent 12 }}
           volumeMounts:
             {{- include "rlfleet.volumeMounts" $root | nindent 12 }}
+            {{- include "rlfleet.sharedMount" $pod | nindent 12 }}
             # NCCL, gloo and the shm weight plane need more than the runtime's 64 MiB /dev/shm.
             - name: dshm
               mountPath: /dev/shm
       volumes:
         {{- include "rlfleet.volumes" $root | nindent 8 }}
+        {{- include "rlfleet.sharedVolume" $pod | nindent 8 }}
         - name: dshm
           emptyDir:
             medium: Memory
