@@ -44,6 +44,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if (args.job or args.exit_on_finish) and (args.role != "coordinator" or not args.job):
         print("rlfleet: --job FILE [--exit-on-finish] is for `serve coordinator`", file=sys.stderr)
         return EXIT_CONFIG
+    if args.stop_workers_on_finish and not args.exit_on_finish:
+        print("rlfleet: --stop-workers-on-finish goes with --job FILE --exit-on-finish", file=sys.stderr)
+        return EXIT_CONFIG
     token = _read_token(args.token_file)
     try:
         tls = _tls(args)
@@ -89,6 +92,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     _write_ready(args.ready_file, server.port, getattr(server, "http_port", None))
     if args.role == "coordinator" and args.job:
         code = _serve_job(manager, server, args, log)
+        if args.stop_workers_on_finish:
+            _stop_workers(args, discovery, log)
     else:
         server.wait_for_termination_or_signal(grace_s=args.grace)
         log.info("stopped")
@@ -96,6 +101,22 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if discovery is not None:
         discovery.close()
     return code
+
+
+def _stop_workers(args: argparse.Namespace, discovery, log) -> None:
+    """--stop-workers-on-finish: the one job is over, so its workers exit too (an eval's GPUs
+    are freed when the eval ends, not when someone uninstalls it)."""
+    from services.coordinator.clients import shutdown_workers
+
+    if discovery is not None:
+        trainers, rollouts = discovery.trainers(), discovery.rollouts()
+    else:
+        trainers = [a for a in (args.trainers or "").split(",") if a]
+        rollouts = [a for a in (args.rollouts or "").split(",") if a]
+    missed = shutdown_workers(trainers, rollouts, _read_token(args.worker_token_file, "RLFLEET_WORKER_TOKEN"),
+                              "the coordinator's one job has finished")
+    log.info("asked %d workers to exit%s", len(trainers) + len(rollouts),
+             f"; could not reach {', '.join(missed)}" if missed else "")
 
 
 # ---- coordinator: worker discovery (--discovery) ------------------------------------------------
@@ -256,6 +277,8 @@ def build_parser() -> argparse.ArgumentParser:
                        default=[m for m in os.environ.get("RLFLEET_ALLOW_REWARD_MODULES", "").split(",") if m],
                        help="coordinator: a module (or package) python rewards may import; repeat for more "
                             "(default: RLFLEET_ALLOW_REWARD_MODULES, comma-separated; none: python rewards refused)")
+    serve.add_argument("--stop-workers-on-finish", action="store_true",
+                       help="coordinator with --job --exit-on-finish: ask every worker to exit when the job ends")
     serve.add_argument("--exit-on-finish", action="store_true",
                        help="coordinator: with --job, exit when it ends: 0 succeeded, 1 failed, 2 invalid job")
     serve.set_defaults(func=cmd_serve)

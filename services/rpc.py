@@ -79,6 +79,7 @@ class Server:
     service_names: tuple[str, ...]
     on_stop: list[Callable[[], None]] = field(default_factory=list)  # run after the last call ends
     metrics_port: int | None = None  # where /metrics is served (trainer, rollout), when it is
+    shutdown: threading.Event = field(default_factory=threading.Event)  # set by a Shutdown call
 
     def set_serving(self, serving: bool) -> None:
         status = (
@@ -98,14 +99,15 @@ class Server:
             hook()
 
     def wait_for_termination_or_signal(self, grace_s: float = 5.0) -> None:
-        """Block until SIGTERM/SIGINT, then stop gracefully (in-flight calls get `grace_s`)."""
-        wait_for_signal()
+        """Block until SIGTERM/SIGINT or a Shutdown call, then stop gracefully (in-flight calls
+        get `grace_s`)."""
+        wait_for_signal(self.shutdown)
         self.stop(grace_s)
 
 
-def wait_for_signal() -> None:
-    """Block the main thread until SIGTERM or SIGINT arrives."""
-    stop = threading.Event()
+def wait_for_signal(stop: threading.Event | None = None) -> None:
+    """Block the main thread until SIGTERM or SIGINT arrives (or `stop` is set)."""
+    stop = stop or threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     while not stop.wait(0.5):

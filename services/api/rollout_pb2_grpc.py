@@ -80,6 +80,11 @@ class RolloutStub:
                 request_serializer=rlfleet_dot_v1_dot_rollout__pb2.GetRolloutStatusRequest.SerializeToString,
                 response_deserializer=rlfleet_dot_v1_dot_rollout__pb2.RolloutStatus.FromString,
                 _registered_method=True)
+        self.Shutdown = channel.unary_unary(
+                '/rlfleet.v1.Rollout/Shutdown',
+                request_serializer=rlfleet_dot_v1_dot_weights__pb2.ShutdownRequest.SerializeToString,
+                response_deserializer=rlfleet_dot_v1_dot_weights__pb2.ShutdownResponse.FromString,
+                _registered_method=True)
 
 
 class RolloutServicer:
@@ -139,6 +144,13 @@ class RolloutServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Shutdown(self, request, context):
+        """The process stops serving and exits 0 (a one-shot job's coordinator frees its workers).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RolloutServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -186,6 +198,11 @@ def add_RolloutServicer_to_server(servicer, server):
                     servicer.GetStatus,
                     request_deserializer=rlfleet_dot_v1_dot_rollout__pb2.GetRolloutStatusRequest.FromString,
                     response_serializer=rlfleet_dot_v1_dot_rollout__pb2.RolloutStatus.SerializeToString,
+            ),
+            'Shutdown': grpc.unary_unary_rpc_method_handler(
+                    servicer.Shutdown,
+                    request_deserializer=rlfleet_dot_v1_dot_weights__pb2.ShutdownRequest.FromString,
+                    response_serializer=rlfleet_dot_v1_dot_weights__pb2.ShutdownResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -431,6 +448,33 @@ class Rollout:
             '/rlfleet.v1.Rollout/GetStatus',
             rlfleet_dot_v1_dot_rollout__pb2.GetRolloutStatusRequest.SerializeToString,
             rlfleet_dot_v1_dot_rollout__pb2.RolloutStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Shutdown(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rlfleet.v1.Rollout/Shutdown',
+            rlfleet_dot_v1_dot_weights__pb2.ShutdownRequest.SerializeToString,
+            rlfleet_dot_v1_dot_weights__pb2.ShutdownResponse.FromString,
             options,
             channel_credentials,
             insecure,

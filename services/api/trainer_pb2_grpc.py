@@ -110,6 +110,11 @@ class TrainerStub:
                 request_serializer=rlfleet_dot_v1_dot_trainer__pb2.OpenRankGroupRequest.SerializeToString,
                 response_deserializer=rlfleet_dot_v1_dot_trainer__pb2.OpenRankGroupResponse.FromString,
                 _registered_method=True)
+        self.Shutdown = channel.unary_unary(
+                '/rlfleet.v1.Trainer/Shutdown',
+                request_serializer=rlfleet_dot_v1_dot_weights__pb2.ShutdownRequest.SerializeToString,
+                response_deserializer=rlfleet_dot_v1_dot_weights__pb2.ShutdownResponse.FromString,
+                _registered_method=True)
 
 
 class TrainerServicer:
@@ -206,6 +211,13 @@ class TrainerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Shutdown(self, request, context):
+        """The process stops serving and exits 0 (a one-shot job's coordinator frees its workers).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TrainerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -283,6 +295,11 @@ def add_TrainerServicer_to_server(servicer, server):
                     servicer.OpenRankGroup,
                     request_deserializer=rlfleet_dot_v1_dot_trainer__pb2.OpenRankGroupRequest.FromString,
                     response_serializer=rlfleet_dot_v1_dot_trainer__pb2.OpenRankGroupResponse.SerializeToString,
+            ),
+            'Shutdown': grpc.unary_unary_rpc_method_handler(
+                    servicer.Shutdown,
+                    request_deserializer=rlfleet_dot_v1_dot_weights__pb2.ShutdownRequest.FromString,
+                    response_serializer=rlfleet_dot_v1_dot_weights__pb2.ShutdownResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -690,6 +707,33 @@ class Trainer:
             '/rlfleet.v1.Trainer/OpenRankGroup',
             rlfleet_dot_v1_dot_trainer__pb2.OpenRankGroupRequest.SerializeToString,
             rlfleet_dot_v1_dot_trainer__pb2.OpenRankGroupResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Shutdown(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rlfleet.v1.Trainer/Shutdown',
+            rlfleet_dot_v1_dot_weights__pb2.ShutdownRequest.SerializeToString,
+            rlfleet_dot_v1_dot_weights__pb2.ShutdownResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -143,6 +143,10 @@ class TrainerClient(_Client):
         with self._call("LoadCheckpoint"):
             return self._stub.LoadCheckpoint(request, timeout=self.deadline_s).step
 
+    def shutdown(self, reason: str) -> None:
+        with self._call("Shutdown"):
+            self._stub.Shutdown(weights_pb2.ShutdownRequest(reason=reason), timeout=30)
+
     def open_rank_group(self, world_size: int, timeout_s: float) -> int:
         """Rank 0's side: the port of the store the other ranks join."""
         request = trainer_pb2.OpenRankGroupRequest(world_size=world_size, timeout_s=timeout_s)
@@ -285,6 +289,10 @@ class RolloutClient(_Client):
         with self._call("DestroyWeightUpdateGroup"):
             self._stub.DestroyWeightUpdateGroup(weights_pb2.DestroyWeightUpdateGroupRequest(group_name=name), timeout=10)
 
+    def shutdown(self, reason: str) -> None:
+        with self._call("Shutdown"):
+            self._stub.Shutdown(weights_pb2.ShutdownRequest(reason=reason), timeout=30)
+
     def release_memory(self, tags: list[str]) -> rollout_pb2.RolloutStatus:
         with self._call("ReleaseMemory"):
             return self._stub.ReleaseMemory(rollout_pb2.ReleaseMemoryRequest(tags=tags), timeout=self.deadline_s).status
@@ -300,3 +308,17 @@ class RolloutClient(_Client):
                 timeout=self.deadline_s,
             )
         return reply.version, list(reply.fingerprints)
+
+
+def shutdown_workers(trainers: list[str], rollouts: list[str], token: str | None, reason: str) -> list[str]:
+    """Ask every worker to exit; the addresses that could not be told (already gone, say)."""
+    missed = []
+    for clients in ([TrainerClient(a, token) for a in trainers], [RolloutClient(a, token) for a in rollouts]):
+        for client in clients:
+            try:
+                client.shutdown(reason)
+            except PeerError:
+                missed.append(client.address)
+            finally:
+                client.close()
+    return missed

@@ -79,6 +79,7 @@ def _check_sizes(request: rollout_pb2.GenerateRequest, sampling: Sampling, max_p
 class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
     def __init__(self, metrics: telemetry.RolloutMetrics | None = None):
         self.metrics = metrics or telemetry.RolloutMetrics()
+        self.shutdown = threading.Event()  # build_server hands it the server's own
         self._engine: GenerationEngine | None = None
         self._update_lock = threading.Lock()
         self._groups: dict[str, WeightGroup] = {}
@@ -87,6 +88,12 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
         # Calls that wait (on the engine, on peers) are bounded, so pool threads stay for health.
         self._waiting = rpc.Admission(8)
         self._joining = rpc.Admission(1)  # a group join blocks until its peers come, or its timeout
+
+    def Shutdown(self, request, context):
+        """Stop serving and let the process exit (the caller's job is over)."""
+        log.info("shutdown requested%s", f": {request.reason[:200]}" if request.reason else "")
+        self.shutdown.set()
+        return weights_pb2.ShutdownResponse()
 
     def close(self) -> None:
         """Stop what the engine runs (an SGLang child)."""
@@ -362,6 +369,7 @@ def build_server(address: str = "127.0.0.1:0", token: str | None = None, metrics
         token=token,
     )
     server.on_stop.append(servicer.close)
+    servicer.shutdown = server.shutdown
     if metrics_port is not None:
         http = telemetry.serve(servicer.metrics.registry, address.rpartition(":")[0], metrics_port)
         server.metrics_port = http.server_port

@@ -108,6 +108,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
     def __init__(self, checkpoint_root: Path = Path("."), metrics: telemetry.TrainerMetrics | None = None):
         self._checkpoint_root = checkpoint_root
         self.metrics = metrics or telemetry.TrainerMetrics()
+        self.shutdown = threading.Event()  # build_server hands it the server's own
         self._lock = threading.Lock()
         self._trainer: TrainerBackend | None = None
         self._rank_store = None  # rank 0's rendezvous store, from OpenRankGroup until the group forms
@@ -148,6 +149,12 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
             world_size=ranks.world()[1],
             backend=t.settings.backend,
         )
+
+    def Shutdown(self, request, context):
+        """Stop serving and let the process exit (the caller's job is over)."""
+        log.info("shutdown requested%s", f": {request.reason[:200]}" if request.reason else "")
+        self.shutdown.set()
+        return weights_pb2.ShutdownResponse()
 
     def close(self) -> None:
         """Leave nothing behind: broadcast groups, shared-memory segments."""
@@ -390,6 +397,7 @@ def build_server(address: str = "127.0.0.1:0", token: str | None = None,
         token=token,
     )
     server.on_stop.append(servicer.close)
+    servicer.shutdown = server.shutdown
     if metrics_port is not None:
         http = telemetry.serve(servicer.metrics.registry, address.rpartition(":")[0], metrics_port)
         server.metrics_port = http.server_port
