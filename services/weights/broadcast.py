@@ -174,6 +174,7 @@ class WeightGroup:
         and an abort stuck on a collective that will never finish must not hold it forever."""
         pg, self._pg = self._pg, None
         if pg is not None:
+            _forget(pg)  # first: an abort that hangs must not keep the name from the next group
             aborting = threading.Thread(target=_abort, args=(pg,), name=f"abort-{self.name}", daemon=True)
             aborting.start()
             aborting.join(wait_s)
@@ -205,10 +206,28 @@ def _abort(pg) -> None:
             pg.shutdown()
     except RuntimeError:
         pass
-    try:  # forget its name, so a later group may take it again
-        dist.destroy_process_group(pg)
-    except (RuntimeError, ValueError, KeyError, AssertionError):
-        pass
+
+
+def _forget(pg) -> None:
+    """Take `pg` out of torch's registry of named groups (what destroy_process_group does after
+    its shutdown, which can hang or fail on a broken group), so its name can be used again: a
+    trainer outlives coordinators, and each new one numbers its groups from 1 again."""
+    from torch.distributed import distributed_c10d as c10d
+
+    world = c10d._world
+    name = world.pg_names.get(pg)
+    for table in (world.pg_map, world.pg_names, world.pg_group_ranks, world.pg_backend_config,
+                  world.pg_coalesce_state):
+        table.pop(pg, None)
+    tag = world.pg_to_tag.pop(pg, None)
+    for key in (tag, ""):
+        if key is not None and pg in world.tags_to_pg.get(key, []):
+            world.tags_to_pg[key].remove(pg)
+    if name is not None:
+        try:
+            c10d._unregister_process_group(name)
+        except (RuntimeError, KeyError, ValueError):
+            pass
 
 
 def _cut(nbytes: int, step: int | None) -> list[tuple[int, int]]:
