@@ -63,12 +63,15 @@ LABEL org.opencontainers.image.title="rlfleet" \
       org.opencontainers.image.description="RL post-training for LLMs as gRPC services (${VARIANT})" \
       org.opencontainers.image.source="https://github.com/rlfleet/rlfleet"
 WORKDIR /opt/rlfleet/src
-# torch is already installed, so pip keeps it and does not fetch another build.
-COPY pyproject.toml README.m[d] ./
+# torch is already installed, so pip keeps it and does not fetch another build. Everything else
+# is pinned by constraints.txt to the versions the tests ran with (made by
+# `python -m tests.k8s.constraints`; torch is not in it). The sglang target does not use it:
+# SGLang's image brings its own pins, on another Python.
+COPY pyproject.toml constraints.txt README.m[d] ./
 COPY services ./services
 # hadolint ignore=DL3013
 # The import check runs from / in isolated mode (-I), so it tests the installed package.
-RUN pip install --no-cache-dir ".[k8s,megatron]" \
+RUN pip install --no-cache-dir -c constraints.txt ".[k8s,megatron]" \
  && rm -rf build ./*.egg-info \
  && cd / && python -I -c "import services.cli, services.coordinator.k8s_discovery"
 COPY examples ./examples

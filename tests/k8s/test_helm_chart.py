@@ -297,7 +297,10 @@ def test_sglang_rollout_pods_run_the_sglang_image_with_a_sized_shm(chart):
                       "sglang": {"args": ["--mem-fraction-static", "0.7"], "memory_saver": True}}
     objects = render(chart, values(mode="train", job=job, gpusPerPod={"trainer": 1, "rollout": 1},
                                    sglang={"image": {"repository": "registry.example.com/rlfleet-sglang", "tag": "0.5.9"},
-                                           "shmSize": "32Gi"}))
+                                           "shmSize": "32Gi"},
+                                   resources={"coordinator": {}, "trainer": {},  # /dev/shm counts against the limit
+                                              "rollout": {"requests": {"cpu": "8", "memory": "32Gi"},
+                                                          "limits": {"cpu": "16", "memory": "96Gi"}}}))
     m.validate(objects)
     rollout = m.one(objects, "StatefulSet", "rollout")
     assert m.container(rollout)["image"] == "registry.example.com/rlfleet-sglang:0.5.9"

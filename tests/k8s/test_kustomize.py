@@ -6,8 +6,10 @@ Skipped (with the reason) where kubectl is not installed.
 from __future__ import annotations
 
 import functools
+import os
 import shutil
 import subprocess
+import textwrap
 
 import pytest
 
@@ -23,12 +25,15 @@ pytestmark = [
 OVERLAYS = {"cpu-dev": "rlfleet-dev", "gpu": "rlfleet"}
 
 
-@functools.cache
-def _build(overlay: str) -> str:
-    path = m.ROOT / "deploy" / "k8s" / "overlays" / overlay
+def _kustomize(path) -> str:
     done = subprocess.run(["kubectl", "kustomize", str(path)], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     return done.stdout
+
+
+@functools.cache
+def _build(overlay: str) -> str:
+    return _kustomize(m.ROOT / "deploy" / "k8s" / "overlays" / overlay)
 
 
 def build(overlay: str) -> list[dict]:
@@ -61,22 +66,90 @@ def test_overlay_has_the_train_fleet_in_its_namespace(overlay):
     assert {w["metadata"]["labels"][m.COMPONENT] for w in m.by_kind(objects, "StatefulSet")} == {"trainer", "rollout"}
     coordinator = m.one(objects, "Deployment", "coordinator")
     args = m.container(coordinator)["args"]
-    assert {"--http-port=8080", "--instance=rlfleet"} <= set(args)
+    assert "--http-port=8080" in args and m.resolved_arg(coordinator, "instance") == "rlfleet"
     claims = {v["persistentVolumeClaim"]["claimName"] for v in coordinator["spec"]["template"]["spec"]["volumes"]
               if "persistentVolumeClaim" in v}
     assert claims == {pvc["metadata"]["name"] for pvc in m.by_kind(objects, "PersistentVolumeClaim")}
 
 
-def test_only_the_gpu_overlay_asks_for_gpus():
+def test_only_the_gpu_overlay_asks_for_gpus_and_only_pods_with_gpus_run_cuda():
     for name in OVERLAYS:
         objects = build(name)
         for workload, meta, _ in m.pod_specs(objects):
-            resources = m.container(workload)["resources"]
-            gpus = resources["limits"].get("nvidia.com/gpu", 0)
+            main = m.container(workload)
+            gpus = main["resources"]["limits"].get("nvidia.com/gpu", 0)
             worker = meta["labels"][m.COMPONENT] in ("trainer", "rollout")
             assert gpus == (1 if name == "gpu" and worker else 0), (name, workload["metadata"]["name"])
-            assert resources["requests"].get("nvidia.com/gpu", 0) == gpus
-            assert m.container(workload)["image"].endswith("-cuda" if name == "gpu" else "-cpu")
+            assert main["resources"]["requests"].get("nvidia.com/gpu", 0) == gpus
+            # The coordinator keeps the CPU image in the gpu overlay; a pod without GPUs says void,
+            # since the CUDA image's NVIDIA_VISIBLE_DEVICES=all would expose the node's GPUs.
+            assert main["image"].endswith("-cuda" if gpus else "-cpu"), (name, workload["metadata"]["name"])
+            env = {e["name"]: e.get("value") for e in main["env"]}
+            assert env.get("NVIDIA_VISIBLE_DEVICES") == (None if gpus else "void"), (name, workload["metadata"]["name"])
+
+
+def test_scratch_volumes_are_bounded_and_shm_fits_in_the_memory_limit():
+    for name in (*OVERLAYS, "gpu-sglang"):
+        for workload, meta, spec in m.pod_specs(build(name)):
+            volumes = {v["name"]: v for v in spec["volumes"]}
+            assert volumes["tmp"]["emptyDir"]["sizeLimit"], (name, workload["metadata"]["name"])
+            if "dshm" in volumes:
+                limit = m.container(workload)["resources"]["limits"]["memory"]
+                assert m.quantity(volumes["dshm"]["emptyDir"]["sizeLimit"]) <= m.quantity(limit), (name, meta["labels"])
+
+
+# ---------------------------------------------------------------------------- another fleet, same namespace
+
+
+def _second_fleet(tmp_path, base_overlay: str, instance: str) -> list[dict]:
+    """The pattern docs/deploy.md gives: an overlay that sets the instance label once (with the
+    selectors) and a name prefix, over an existing overlay."""
+    target = os.path.relpath(m.ROOT / "deploy" / "k8s" / "overlays" / base_overlay, tmp_path)  # kustomize refuses absolute roots
+    (tmp_path / "kustomization.yaml").write_text(textwrap.dedent(f"""\
+        apiVersion: kustomize.config.k8s.io/v1beta1
+        kind: Kustomization
+        resources: [{target}]
+        namePrefix: {instance}-
+        labels:
+          - pairs: {{app.kubernetes.io/instance: {instance}}}
+            includeSelectors: true
+        """))
+    return m.load_all(_kustomize(tmp_path))
+
+
+@pytest.mark.parametrize("base_overlay", ["cpu-dev", "gpu"])
+def test_a_second_fleet_in_the_namespace_sets_its_instance_once(tmp_path, base_overlay):
+    first, second = build(base_overlay), _second_fleet(tmp_path, base_overlay, "team-b")
+    m.validate(second)
+    m.check_labels_and_selectors(second)
+    m.check_discovery_wiring(second)  # --instance resolves to the coordinator pod's own label
+    m.check_rbac(second)
+    # One value everywhere: every object, every selector, every pod template, the coordinator's --instance.
+    for obj in second:
+        assert obj["metadata"]["labels"]["app.kubernetes.io/instance"] == "team-b", obj["metadata"]["name"]
+    for workload, meta, _ in m.pod_specs(second):
+        assert meta["labels"]["app.kubernetes.io/instance"] == "team-b"
+        assert workload["spec"]["selector"]["matchLabels"]["app.kubernetes.io/instance"] == "team-b"
+    for service in m.by_kind(second, "Service"):
+        assert service["spec"]["selector"]["app.kubernetes.io/instance"] == "team-b"
+    assert m.resolved_arg(m.one(second, "Deployment", "coordinator"), "instance") == "team-b"
+    # Applied beside the first fleet, nothing is overwritten and neither coordinator sees the other's pods.
+    names = [{(o["kind"], o["metadata"]["name"]) for o in fleet} for fleet in (first, second)]
+    assert not names[0] & names[1]
+    assert {o["metadata"].get("namespace") for o in second} == {o["metadata"].get("namespace") for o in first}
+    _assert_disjoint_discovery(first, second)
+
+
+def _assert_disjoint_discovery(*fleets: list[dict]) -> None:
+    from services.coordinator.k8s_discovery import KubernetesDiscoveryConfig
+    from tests.k8s.emulator import selector_matches
+
+    pods = [(i, meta["labels"]) for i, fleet in enumerate(fleets) for _, meta, _ in m.pod_specs(fleet)]
+    for i, fleet in enumerate(fleets):
+        instance = m.resolved_arg(m.one(fleet, "Deployment", "coordinator"), "instance")
+        selector = KubernetesDiscoveryConfig(namespace="ns", instance=instance).label_selector
+        seen = [(j, labels[m.COMPONENT]) for j, labels in pods if selector_matches(selector, labels)]
+        assert sorted(seen) == [(i, "rollout"), (i, "trainer")], (instance, seen)
 
 
 def test_the_sglang_overlay_runs_sglang_only_in_rollout_pods():

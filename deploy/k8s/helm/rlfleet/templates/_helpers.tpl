@@ -252,24 +252,41 @@ coordinator puts it under --runs-dir (<sharedStorage.mountPath>/runs). Checks on
 {{- toYaml $res }}
 {{- end }}
 
-{{- define "rlfleet.podSecurityContext" -}}
-runAsNonRoot: true
-runAsUser: 10001
-runAsGroup: 10001
-fsGroup: 10001
-seccompProfile:
-  type: RuntimeDefault
+{{/*
+A security context: the global one (podSecurityContext or securityContext) with the role's keys
+over it, each key whole; a key set to null is left out (OpenShift assigns the UID itself).
+Call with (dict "root" $ "block" "trainer" "key" "securityContext").
+*/}}
+{{- define "rlfleet.securityContext" -}}
+{{- $v := .root.Values }}
+{{- $out := deepCopy (default dict (get $v .key)) }}
+{{- range $k, $val := default dict (get (default dict (get $v .block)) .key) }}
+{{- $_ := set $out $k $val }}
+{{- end }}
+{{- range $k, $val := $out }}
+{{- if kindIs "invalid" $val }}
+{{- $_ := unset $out $k }}
+{{- end }}
+{{- end }}
+{{- toYaml $out }}
 {{- end }}
 
-{{- define "rlfleet.containerSecurityContext" -}}
-runAsNonRoot: true
-runAsUser: 10001
-allowPrivilegeEscalation: false
-readOnlyRootFilesystem: true
-capabilities:
-  drop: ["ALL"]
-seccompProfile:
-  type: RuntimeDefault
+{{/*
+A Kubernetes quantity in bytes (a float), for comparing sizes. Call with (dict "value" "4Gi" "field" "scratch.shm.trainer").
+*/}}
+{{- define "rlfleet.bytes" -}}
+{{- if or (kindIs "float64" .value) (kindIs "int" .value) (kindIs "int64" .value) }}
+{{- float64 .value }}
+{{- else }}
+{{- $q := toString .value }}
+{{- $num := regexFind "^[0-9]+(\\.[0-9]+)?" $q }}
+{{- $units := dict "" 1.0 "m" 0.001 "k" 1e3 "M" 1e6 "G" 1e9 "T" 1e12 "P" 1e15 "E" 1e18 "Ki" 1024.0 "Mi" 1048576.0 "Gi" 1073741824.0 "Ti" 1099511627776.0 "Pi" 1125899906842624.0 "Ei" 1152921504606846976.0 }}
+{{- $unit := trimPrefix $num $q }}
+{{- if or (not $num) (not (hasKey $units $unit)) }}
+{{- fail (printf "%s: %q is not a quantity the chart can read (digits and one of Ki, Mi, Gi, Ti, k, M, G, T)" .field $q) }}
+{{- end }}
+{{- mulf (float64 $num) (get $units $unit) }}
+{{- end }}
 {{- end }}
 
 {{/* Native gRPC probes on grpc.health.v1, or, with TLS on (the kubelet's gRPC probes speak
@@ -381,8 +398,6 @@ tls.key and ca.crt, e.g. made by cert-manager). */}}
 {{- end }}
 
 {{- define "rlfleet.volumes" -}}
-- name: tmp
-  emptyDir: {}
 {{- if .Values.model.existingClaim }}
 - name: model
   persistentVolumeClaim:
@@ -471,6 +486,46 @@ labels:
 {{- with $annotations }}
 annotations:
   {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- end }}
+
+{{/*
+The role's scratch emptyDirs with their sizeLimits (scratch.*): /tmp on every pod, and on trainer
+and rollout pods a memory-backed /dev/shm (NCCL, gloo and the shm weight plane need more than the
+runtime's 64 MiB). tmpfs pages count against the pod's memory limit, so a /dev/shm allowed to grow
+past that limit would end in an OOM kill instead of ENOSPC: refused here.
+Call with (dict "root" $ "role" "trainer").
+*/}}
+{{- define "rlfleet.scratchVolumes" -}}
+{{- $v := .root.Values }}
+{{- $tmp := dict }}
+{{- with get $v.scratch.tmp .role }}
+{{- $_ := set $tmp "sizeLimit" . }}
+{{- end }}
+- name: tmp
+  emptyDir:
+    {{- toYaml $tmp | nindent 4 }}
+{{- if ne .role "coordinator" }}
+{{- $field := printf "scratch.shm.%s" .role }}
+{{- $size := get $v.scratch.shm .role }}
+{{- if and (eq .role "rollout") (eq (include "rlfleet.rolloutEngine" .root) "sglang") }}
+{{- $field = "sglang.shmSize" }}
+{{- $size = $v.sglang.shmSize }}
+{{- end }}
+{{- $shm := dict "medium" "Memory" }}
+{{- if $size }}
+{{- $_ := set $shm "sizeLimit" $size }}
+{{- $limit := get (default dict (get (get $v.resources .role) "limits")) "memory" }}
+{{- if $limit }}
+{{- $limitField := printf "resources.%s.limits.memory" .role }}
+{{- if gt (float64 (include "rlfleet.bytes" (dict "value" $size "field" $field))) (float64 (include "rlfleet.bytes" (dict "value" $limit "field" $limitField))) }}
+{{- fail (printf "%s: %s is more than %s (%v): /dev/shm is memory-backed and counts against the pod's memory limit, so the pod would be OOM-killed before /dev/shm filled; lower it or raise the limit" $field $size $limitField $limit) }}
+{{- end }}
+{{- end }}
+{{- end }}
+- name: dshm
+  emptyDir:
+    {{- toYaml $shm | nindent 4 }}
 {{- end }}
 {{- end }}
 

@@ -25,6 +25,13 @@ spec:
       targetPort: grpc
       protocol: TCP
       appProtocol: grpc
+    {{- if $root.Values.metrics.enabled }}
+    - name: metrics
+      port: {{ $root.Values.metrics.port }}
+      targetPort: metrics
+      protocol: TCP
+      appProtocol: http
+    {{- end }}
 ---
 apiVersion: apps/v1
 kind: StatefulSet
@@ -47,7 +54,7 @@ spec:
       enableServiceLinks: false
       terminationGracePeriodSeconds: 30
       securityContext:
-        {{- include "rlfleet.podSecurityContext" $root | nindent 8 }}
+        {{- include "rlfleet.securityContext" (dict "root" $root "block" .role "key" "podSecurityContext") | nindent 8 }}
       {{- with include "rlfleet.scheduling" $pod }}{{ . | nindent 6 }}{{ end }}
       containers:
         - name: {{ .role }}
@@ -64,32 +71,34 @@ spec:
             # (which names their paths) has it mounted as well.
             - --checkpoint-root={{ $root.Values.sharedStorage.mountPath }}
             {{- end }}
+            {{- if $root.Values.metrics.enabled }}
+            - --metrics-port={{ $root.Values.metrics.port }}
+            {{- end }}
             {{- include "rlfleet.tokenArgs" $root | nindent 12 }}
             {{- include "rlfleet.tlsArgs" $root | nindent 12 }}
           ports:
             - name: grpc
               containerPort: 50051
               protocol: TCP
+            {{- if $root.Values.metrics.enabled }}
+            - name: metrics
+              containerPort: {{ $root.Values.metrics.port }}
+              protocol: TCP
+            {{- end }}
           env:
             {{- include "rlfleet.env" $pod | nindent 12 }}
           {{- include "rlfleet.probes" (dict "root" $root "service" .service "readiness" true) | nindent 10 }}
           resources:
             {{- include "rlfleet.resources" (dict "root" $root "role" .role) | nindent 12 }}
           securityContext:
-            {{- include "rlfleet.containerSecurityContext" $root | nindent 12 }}
+            {{- include "rlfleet.securityContext" (dict "root" $root "block" .role "key" "securityContext") | nindent 12 }}
           volumeMounts:
             {{- include "rlfleet.volumeMounts" $root | nindent 12 }}
             {{- include "rlfleet.sharedMount" $pod | nindent 12 }}
-            # NCCL, gloo and the shm weight plane need more than the runtime's 64 MiB /dev/shm.
             - name: dshm
               mountPath: /dev/shm
       volumes:
+        {{- include "rlfleet.scratchVolumes" $pod | nindent 8 }}
         {{- include "rlfleet.volumes" $root | nindent 8 }}
         {{- include "rlfleet.sharedVolume" $pod | nindent 8 }}
-        - name: dshm
-          emptyDir:
-            medium: Memory
-            {{- if and (eq .role "rollout") (eq (include "rlfleet.rolloutEngine" $root) "sglang") }}
-            sizeLimit: {{ $root.Values.sglang.shmSize }}
-            {{- end }}
 {{- end }}
