@@ -10,6 +10,7 @@ newlines included).
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from pathlib import Path
@@ -33,8 +34,10 @@ class Tokenizer:
         bos_token: str | None = None,
         eos_token: str | None = None,
         pad_token: str | None = None,
+        chat_template: str | None = None,
     ) -> None:
         self.inner = inner
+        self.chat_template = chat_template
         self._specials = {"bos_token": bos_token, "eos_token": eos_token, "pad_token": pad_token}
         self._special_ids: dict[str, int | None] = {}
         for field, token in self._specials.items():
@@ -75,6 +78,17 @@ class Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         return self.inner.token_to_id(token)
 
+    def apply_chat_template(self, messages: list[dict], *, add_generation_prompt: bool = True) -> str:
+        """The conversation as the model's own chat template renders it (jinja2, sandboxed, with
+        the same switches as transformers: trim_blocks, lstrip_blocks, `raise_exception`)."""
+        if not self.chat_template:
+            raise ValueError("messages: this model's tokenizer has no chat template (tokenizer_config.json "
+                             "chat_template); give prompts as text")
+        return _compiled(self.chat_template).render(
+            messages=messages, add_generation_prompt=add_generation_prompt,
+            **{name: token for name, token in self._specials.items() if token is not None},
+        )
+
     def save(self, path: str | os.PathLike) -> None:
         """Write `tokenizer.json` and `tokenizer_config.json` into directory `path`."""
         path = Path(path)
@@ -85,6 +99,8 @@ class Tokenizer:
             "clean_up_tokenization_spaces": False,
             **self._specials,
         }
+        if self.chat_template:
+            config["chat_template"] = self.chat_template
         with open(path / TOKENIZER_CONFIG_FILE, "w") as f:
             json.dump(config, f, indent=2)
 
@@ -100,6 +116,7 @@ def load_tokenizer(dir_or_file: str | os.PathLike) -> Tokenizer:
         )
     inner = tokenizers.Tokenizer.from_file(str(file))
     specials: dict[str, str | None] = {}
+    template = None
     config_path = file.parent / TOKENIZER_CONFIG_FILE
     if config_path.is_file():
         with open(config_path) as f:
@@ -108,7 +125,26 @@ def load_tokenizer(dir_or_file: str | os.PathLike) -> Tokenizer:
             token = config.get(field)
             # Older configs store an AddedToken as a dict with the text under "content".
             specials[field] = token.get("content") if isinstance(token, dict) else token
-    return Tokenizer(inner, **specials)
+        template = config.get("chat_template")
+        if isinstance(template, list):  # several named templates: the default one
+            template = next((t["template"] for t in template if t.get("name") == "default"), None)
+    jinja_file = file.parent / "chat_template.jinja"  # transformers 5 writes it beside the config
+    if template is None and jinja_file.is_file():
+        template = jinja_file.read_text()
+    return Tokenizer(inner, **specials, chat_template=template)
+
+
+@functools.lru_cache(maxsize=8)
+def _compiled(template: str):
+    from jinja2.exceptions import TemplateError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message: str):
+        raise TemplateError(message)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.globals["raise_exception"] = raise_exception
+    return env.from_string(template)
 
 
 def make_char_tokenizer(
