@@ -16,6 +16,7 @@ A mapping given for a nested section overrides that section's default field by f
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import re
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -32,9 +33,9 @@ from services.coordinator.dataclass_io import (  # noqa: F401 (ConfigError and f
     json_schema,
     to_dict,
 )
-from services.coordinator.datasets import DatasetError, load_jsonl
+from services.coordinator.datasets import Columns, DatasetError, check_dataset
 
-RewardKind = Literal["exact_match", "math_answer", "countdown", "python", "http"]
+RewardKind = Literal["exact_match", "math_answer", "math_verify", "countdown", "python", "http"]
 AdvantageKind = Literal["grpo", "dr_grpo", "reinforce_pp", "reinforce_pp_baseline", "ppo"]
 KlEstimator = Literal["k1", "k2", "k3", "low_var_kl"]
 LossAgg = Literal["token_mean", "seq_mean_token_sum", "seq_mean_token_mean"]
@@ -164,23 +165,43 @@ class RolloutConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class DataConfig:
-    """Training prompts: a JSON-lines file of objects with a prompt and an answer.
+    """Training prompts: rows with a prompt (or a conversation) and an answer.
+
+    Every dataset path of the job (data.train, eval.datasets[].path, sft.data) may be a JSON-lines
+    file, a Parquet file (.parquet, .pq) or a folder written by Hugging Face datasets'
+    save_to_disk; all are read with the keys below.
 
     Attributes:
-        train: JSON-lines file of training rows; required unless the job is eval-only.
-        prompt_key: key of the prompt in each row (also used for eval and sft files).
-        answer_key: key of the reference answer in each row (also used for eval and sft files).
+        train: training rows; required unless the job is eval-only.
+        prompt_key: key of the prompt (a non-empty string) in each row; not read when messages_key is set.
+        answer_key: key of the reference answer (a string or a number) in each row.
+        messages_key: key of a conversation to use as the prompt instead: a list of {role,
+            content} turns (system first if at all, user and assistant, a user turn last),
+            rendered with the model's chat template; null = rows have a prompt.
+        metadata_keys: keys copied from each row into the metadata the reward receives.
         shuffle: reshuffle the rows every epoch (deterministically from the job seed).
     """
 
     train: Path | None = None
     prompt_key: str = "prompt"
     answer_key: str = "answer"
+    messages_key: str | None = None
+    metadata_keys: tuple[str, ...] = ()
     shuffle: bool = True
 
     def __post_init__(self) -> None:
         _check(bool(self.prompt_key), "prompt_key", "must not be empty")
         _check(bool(self.answer_key), "answer_key", "must not be empty")
+        _check(self.messages_key is None or bool(self.messages_key), "messages_key", "must not be empty (null = rows have a prompt)")
+        _check(all(self.metadata_keys), "metadata_keys", "must not contain an empty key")
+        repeated = sorted({k for k in self.metadata_keys if self.metadata_keys.count(k) > 1})
+        _check(not repeated, "metadata_keys", f"must not repeat a key, repeated: {', '.join(repeated)}")
+
+    @property
+    def columns(self) -> Columns:
+        """What the dataset readers take from each row."""
+        return Columns(prompt_key=self.prompt_key, answer_key=self.answer_key,
+                       messages_key=self.messages_key, metadata_keys=self.metadata_keys)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -188,10 +209,13 @@ class RewardConfig:
     """How a completion is scored against the reference answer.
 
     Attributes:
-        kind: exact_match, math_answer, countdown, python (a module:function) or http (a POST endpoint).
+        kind: exact_match, math_answer, math_verify (math_answer, then Hugging Face's math-verify
+            for equivalent forms; needs the math-verify package), countdown, python (a
+            module:function) or http (a POST endpoint).
         function: "module:function" to import when kind is python.
-        url: endpoint to POST {prompt, completion, answer} to when kind is http.
-        timeout_s: per-request timeout when kind is http.
+        url: endpoint to POST {prompt, completion, answer, metadata} to when kind is http.
+        timeout_s: per-request timeout when kind is http; time limit per answer when kind is
+            math_verify (past it the answer scores 0 and its checker process is replaced).
     """
 
     kind: RewardKind = "exact_match"
@@ -225,7 +249,7 @@ class EvalDatasetConfig:
 
     Attributes:
         name: label of the results (unique within the job).
-        path: JSON-lines file read with data.prompt_key and data.answer_key.
+        path: JSON-lines file, Parquet file or datasets folder, read with data's keys.
         limit: evaluate only the first rows of the file; null = all rows.
         reward: how to score this set; null = the job's reward (filled in when the job is loaded).
         sampling: sampling for this set; fields left out keep the greedy default.
@@ -450,7 +474,7 @@ class SftConfig:
     """An optional supervised warm-up stage run before RL, on prompt/answer pairs.
 
     Attributes:
-        data: JSON-lines file of prompt/answer rows (read with data.prompt_key and data.answer_key).
+        data: prompt/answer rows (JSON lines, Parquet or a datasets folder, read with data's keys).
         steps: optimizer steps of SFT.
         batch_size: rows per SFT step.
         lr: learning rate of the SFT stage (constant).
@@ -465,6 +489,46 @@ class SftConfig:
         _check(self.steps >= 1, "steps", f"must be >= 1, got {self.steps}")
         _check(self.batch_size >= 1, "batch_size", f"must be >= 1, got {self.batch_size}")
         _check(self.lr > 0, "lr", f"must be > 0, got {self.lr}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class WandbConfig:
+    """A Weights & Biases run per job (needs the wandb package).
+
+    Attributes:
+        project: W&B project name.
+        mode: offline (files under <dir>/wandb, no network; `wandb sync` uploads them later) or online.
+        entity: W&B team or user; null = the default of the logged-in account.
+        name: run name; null = <job name>-<job id>.
+        group: run group; null = none.
+        tags: run tags.
+        dir: where the wandb folder goes; null = the job's output directory.
+    """
+
+    project: str
+    mode: Literal["offline", "online"] = "offline"
+    entity: str | None = None
+    name: str | None = None
+    group: str | None = None
+    tags: tuple[str, ...] = ()
+    dir: Path | None = None
+
+    def __post_init__(self) -> None:
+        _check(bool(self.project), "project", "must not be empty")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrackingConfig:
+    """Experiment trackers that receive step metrics, eval scores and weight-sync stats, beside
+    the metrics.jsonl, eval.jsonl and reward_curve.png every job writes.
+
+    Attributes:
+        tensorboard: write TensorBoard event files to <output_dir>/tensorboard (needs tensorboard).
+        wandb: log to Weights & Biases; null = off.
+    """
+
+    tensorboard: bool = False
+    wandb: WandbConfig | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -486,6 +550,7 @@ class JobConfig:
         weight_sync: how weights reach the rollout engines.
         checkpoint: periodic checkpoints.
         sft: optional supervised warm-up stage before RL; null = none.
+        tracking: optional experiment trackers (TensorBoard, W&B).
     """
 
     name: str
@@ -502,6 +567,7 @@ class JobConfig:
     weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     sft: SftConfig | None = None
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
 
     def __post_init__(self) -> None:
         _check(
@@ -599,6 +665,7 @@ def parse_job(text: str, base_dir: str | Path, *, check_files: bool = True) -> J
         raise ConfigError("the job config is empty")
     cfg = from_dict(JobConfig, data, base_dir=base_dir)
     if check_files:
+        check_packages(cfg)
         check_paths(cfg)
     return cfg
 
@@ -620,17 +687,38 @@ def check_paths(cfg: JobConfig) -> None:
         if cfg.sft is not None:
             files.append(("sft.data", cfg.sft.data))
     for name, file in files:
-        if not file.is_file():
-            what = "does not exist" if not file.exists() else "is not a file"
-            raise ConfigError(f"{name}: {file} {what}")
-    # Every row is read now, not after the services start: an empty file or a row without the
-    # prompt key fails the submit (exit 2), naming the field, the file and the line.
+        if not file.exists():
+            raise ConfigError(f"{name}: {file} does not exist")
+        if not (file.is_file() or file.is_dir()):
+            raise ConfigError(f"{name}: {file} is not a file or a datasets folder")
+    # Every row is read now (streamed, none kept), not after the services start: an empty file
+    # or a bad row fails the submit (exit 2), naming the field, the file and the line or row.
     limits = {f"eval.datasets[{i}].path": d.limit for i, d in enumerate(cfg.eval.datasets)}
     for name, file in files:
         try:
-            load_jsonl(file, cfg.data.prompt_key, cfg.data.answer_key, limit=limits.get(name))
+            check_dataset(file, cfg.data.columns, limit=limits.get(name))
         except DatasetError as e:
             raise ConfigError(f"{name}: {e}") from e
+
+
+def check_packages(cfg: JobConfig) -> None:
+    """ConfigError naming the field and the package when an optional package the job uses is not
+    installed where the job runs (the coordinator scores rewards and writes trackers itself)."""
+    needs = [("reward.kind" if i == 0 else f"eval.datasets[{i - 1}].reward.kind", "math_verify", "math-verify")
+             for i, r in enumerate([cfg.reward, *(d.reward for d in cfg.eval.datasets)])
+             if r is not None and r.kind == "math_verify"]
+    paths = [("data.train", cfg.data.train), ("sft.data", cfg.sft.data if cfg.sft else None),
+             *((f"eval.datasets[{i}].path", d.path) for i, d in enumerate(cfg.eval.datasets))]
+    needs += [(name, "pyarrow", "pyarrow") for name, path in paths
+              if path is not None and (path.is_dir() or path.suffix.lower() in (".parquet", ".pq"))]
+    if cfg.tracking.tensorboard:
+        needs.append(("tracking.tensorboard", "tensorboard", "tensorboard"))
+    if cfg.tracking.wandb is not None:
+        needs.append(("tracking.wandb", "wandb", "wandb"))
+    for name, module, package in needs:
+        if importlib.util.find_spec(module) is None:
+            raise ConfigError(f"{name}: needs the {package} package, which is not installed on this "
+                              f"coordinator (pip install {package})")
 
 
 def resolve_output_dir(cfg: JobConfig, *, cwd: Path, now: datetime) -> Path:

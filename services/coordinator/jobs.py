@@ -53,6 +53,7 @@ from services.coordinator.store import (
     JobStore,
     MemoryJobStore,
 )
+from services.coordinator.tracking import NullTracker, Tracker, build_tracker
 
 __all__ = [
     "CANCELLED", "FAILED", "PENDING", "RUNNING", "STATES", "SUCCEEDED", "TERMINAL", "Event", "JobRecord",
@@ -299,6 +300,8 @@ class JobManager:
     def _execute(self, record: JobRecord, live: _Live) -> None:
         output_dir = Path(record.output_dir)
         loop = None
+        tracker: Tracker = NullTracker()
+        summary: dict = {}
         try:
             output_dir.mkdir(parents=True, exist_ok=True)
             writer = MetricsWriter(output_dir)
@@ -308,6 +311,10 @@ class JobManager:
                 writer.drop_after(live.resume.step)
                 before = {e.dataset: e.score for e in self.store.eval_results(record.id) if e.step == 0}
                 resume = Resume(step=live.resume.step, path=live.resume.path, evals_before=before)
+            # TensorBoard and W&B, when the job asks for them (a tracker that cannot start fails the job now)
+            tracker = build_tracker(live.config.tracking, output_dir, run_name=f"{record.name}-{record.id}",
+                                    run_id=record.id, config=to_dict(live.config),
+                                    resume_step=resume.step if resume is not None else None)
 
             def emit(kind: str, step: int, data: dict) -> None:
                 updates = None
@@ -316,6 +323,7 @@ class JobManager:
                     updates = {"step": step}
                 elif kind == "eval":
                     writer.write_eval(step, data)
+                tracker.log(kind, step, data)  # never raises: a failing tracker is dropped
                 with self._cond:
                     self._append(record.id, kind, step, data, updates)
 
@@ -333,6 +341,7 @@ class JobManager:
         finally:
             if loop is not None:
                 loop.close()
+            tracker.close(summary)
         with self._cond:
             stored = self._finish(record.id, state, error, summary)
         if stored is not None:  # None: close() already ended it

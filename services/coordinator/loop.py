@@ -22,7 +22,7 @@ from services.api import rollout_pb2, trainer_pb2
 from services.coordinator.advantages import compute_advantages
 from services.coordinator.clients import Completion, PeerError, RolloutClient, TrainerClient, TrainerGroup
 from services.coordinator.config import JobConfig
-from services.coordinator.datasets import Example, PromptSampler, load_jsonl
+from services.coordinator.datasets import Example, PromptSampler, load_examples, open_dataset
 from services.coordinator.rewards import build_reward
 from services.coordinator.weight_sync import WeightSyncer
 from services.models.tokenizer import load_tokenizer
@@ -132,9 +132,13 @@ class RLLoop:
         self.syncer: WeightSyncer | None = None
         self.trainers = TrainerGroup(fleet.trainers) if fleet.trainers else None
         self._eval_sets = [
-            (ds, load_jsonl(ds.path, job.data.prompt_key, job.data.answer_key, limit=ds.limit), build_reward(ds.reward))
+            (ds, load_examples(ds.path, job.data.columns, limit=ds.limit), build_reward(ds.reward))
             for ds in job.eval.datasets
         ]
+        # Conversations become prompt text here, with the model's chat template (its tokenizer files).
+        self._chat = load_tokenizer(job.model) if job.data.messages_key is not None else None
+        if self._chat is not None and not self._chat.chat_template:  # fail before any worker is configured
+            raise ValueError(f"data.messages_key: {job.model} has no chat template to render conversations with")
 
     # ---- setup -------------------------------------------------------------------------------
     def setup(self) -> None:
@@ -308,13 +312,20 @@ class RLLoop:
         flat = client.generate(prompts, sampling)
         return [flat[i * n : (i + 1) * n] for i in range(len(prompts))]
 
+    def _prompt_text(self, example: Example) -> str:
+        """What an engine completes: the row's prompt, or its conversation in the chat template."""
+        if example.messages is None:
+            return example.prompt
+        return self._chat.apply_chat_template(example.messages, add_generation_prompt=True)
+
     # ---- eval --------------------------------------------------------------------------------
     def evaluate(self, step: int) -> dict[str, float]:
         scores = {}
         for ds, examples, reward in self._eval_sets:
             started = time.perf_counter()
-            completions = self.generate([e.prompt for e in examples], sampling_params(ds.sampling, seed=self.job.seed))
-            rewards = [reward(c.text, e.answer, e.prompt) for c, e in zip(completions, examples)]
+            prompts = [self._prompt_text(e) for e in examples]
+            completions = self.generate(prompts, sampling_params(ds.sampling, seed=self.job.seed))
+            rewards = [reward(c.text, e.answer, p, e.metadata) for c, e, p in zip(completions, examples, prompts)]
             scores[ds.name] = sum(rewards) / len(rewards)
             self.emit(
                 "eval",
@@ -337,10 +348,12 @@ class RLLoop:
         n = job.rollout.samples_per_prompt
         t0 = time.perf_counter()
         sampling = sampling_params(job.rollout.sampling, n=n, seed=self._rng.randrange(2**31))
-        completions = self.generate([e.prompt for e in examples], sampling)
+        prompts = [self._prompt_text(e) for e in examples]
+        completions = self.generate(prompts, sampling)
         t1 = time.perf_counter()
         rewards = torch.tensor(
-            [self._reward(c.text, e.answer, e.prompt) for e, group in zip(examples, _groups(completions, n)) for c in group]
+            [self._reward(c.text, e.answer, p, e.metadata)
+             for e, p, group in zip(examples, prompts, _groups(completions, n)) for c in group]
         ).view(len(examples), n)  # [P, n]
         if job.trainer.colocate:  # the engines' memory goes to the trainer while it trains
             self._on_engines(lambda e: e.release_memory(["kv_cache", "weights"]))
@@ -403,7 +416,7 @@ class RLLoop:
 
     def sft_stage(self) -> None:
         sft = self.job.sft
-        examples = load_jsonl(sft.data, self.job.data.prompt_key, self.job.data.answer_key)
+        examples = load_examples(sft.data, self.job.data.columns)
         tokenizer = load_tokenizer(self.job.model)
         sampler = PromptSampler(examples, sft.batch_size, seed=self.job.seed, shuffle=True)
         for i in range(sft.steps):
@@ -412,7 +425,7 @@ class RLLoop:
             batch = trainer_pb2.Batch(
                 samples=[
                     trainer_pb2.Sample(
-                        prompt_ids=tokenizer.encode(e.prompt),
+                        prompt_ids=tokenizer.encode(self._prompt_text(e)),
                         response_ids=tokenizer.encode(e.answer) + [tokenizer.eos_token_id],
                     )
                     for e in rows
@@ -441,11 +454,11 @@ class RLLoop:
         scores = dict(before)
         step = first - 1
         if job.num_rollout > 0:
-            examples = load_jsonl(job.data.train, job.data.prompt_key, job.data.answer_key)
+            examples = open_dataset(job.data.train, job.data.columns)  # rows are read as batches are dealt
             self._reward = build_reward(job.reward)
             sampler = PromptSampler(examples, job.rollout.prompts_per_step, seed=job.seed, shuffle=job.data.shuffle)
-            for _ in range(1, first):  # the batches and seeds the steps up to the checkpoint drew
-                sampler.next_batch()
+            sampler.skip_batches(first - 1)  # the batches the steps up to the checkpoint drew, unread
+            for _ in range(1, first):  # and their sampling seeds
                 self._rng.randrange(2**31)
             for step in range(first, job.num_rollout + 1):
                 self._check_cancelled()

@@ -1,32 +1,44 @@
 """Rewards: score one completion against the reference answer of its prompt.
 
-A reward is any callable `(completion, answer, prompt) -> float` (the `Reward` protocol).
-Built-ins cover the example tasks: `exact_match`, `math_answer` (last number or `\\boxed{}`
-compared numerically) and `countdown` (an arithmetic expression checked with `ast`, never
-`eval`). Users plug in their own as a Python `module:function` or as an HTTP endpoint.
-`build_reward` turns a `RewardConfig` into one; failures of user code and remote endpoints are
-`RewardError`s chained to their cause.
+A reward is any callable `(completion, answer, prompt, metadata=None) -> float` (the `Reward`
+protocol); `metadata` is the row's `data.metadata_keys` columns. Built-ins cover the example
+tasks: `exact_match`, `math_answer` (last number or `\\boxed{}` compared numerically),
+`math_verify` (math_answer first, then Hugging Face's math-verify for equivalent forms, in a
+child process with a hard deadline per answer) and `countdown` (an arithmetic expression checked
+with `ast`, never `eval`). Users plug in their own as a Python `module:function` (given
+`metadata=` when its signature takes it) or as an HTTP endpoint. `build_reward` turns a
+`RewardConfig` into one; failures of user code and remote endpoints are `RewardError`s chained
+to their cause.
 """
 
 from __future__ import annotations
 
 import ast
 import importlib
+import importlib.util
+import inspect
 import json
+import logging
 import math
+import multiprocessing
 import numbers
 import re
+import threading
 import urllib.error
 import urllib.request
+import weakref
 from collections import Counter
 from fractions import Fraction
-from typing import Callable, Protocol
+from typing import Any, Callable, Mapping, Protocol
 
 from services.coordinator.config import RewardConfig
 
+log = logging.getLogger("rlfleet.coordinator.rewards")
+Metadata = Mapping[str, Any]
+
 
 class Reward(Protocol):
-    def __call__(self, completion: str, answer: str, prompt: str) -> float: ...
+    def __call__(self, completion: str, answer: str, prompt: str, metadata: Metadata | None = None) -> float: ...
 
 
 class RewardError(RuntimeError):
@@ -36,7 +48,7 @@ class RewardError(RuntimeError):
 # --------------------------------------------------------------------------- exact_match
 
 
-def exact_match(completion: str, answer: str, prompt: str = "") -> float:
+def exact_match(completion: str, answer: str, prompt: str = "", metadata: Metadata | None = None) -> float:
     """1.0 when the completion equals the answer, ignoring surrounding whitespace."""
     return 1.0 if completion.strip() == answer.strip() else 0.0
 
@@ -46,7 +58,7 @@ def exact_match(completion: str, answer: str, prompt: str = "") -> float:
 _NUMBER_RE = re.compile(r"[-+]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:/\d+)?|[-+]?\.\d+")
 
 
-def math_answer(completion: str, answer: str, prompt: str = "") -> float:
+def math_answer(completion: str, answer: str, prompt: str = "", metadata: Metadata | None = None) -> float:
     """1.0 when the completion's final answer equals the reference.
 
     The final answer is the content of the last `\\boxed{...}` when there is one, else the last
@@ -99,13 +111,172 @@ def _as_number(text: str) -> float | None:
     return value if math.isfinite(value) else None
 
 
+# --------------------------------------------------------------------------- math_verify
+
+
+class RewardTimeout(RewardError):
+    """A guarded call ran past its deadline; its process was killed."""
+
+
+class GuardedProcess:
+    """Runs picklable module-level calls in one child process, each under a hard deadline.
+
+    math-verify bounds its own work with SIGALRM, which only works in a main thread (the
+    coordinator scores in job threads) and cannot interrupt C code (sympy's big integers); a
+    process can always be killed. The child is spawned (no fork of a threaded coordinator) on
+    the first call, imports `preload` before the first deadline starts, and is replaced after a
+    timeout or a crash. Calls are serialised.
+    """
+
+    def __init__(self, preload: tuple[str, ...] = (), startup_timeout_s: float = 120.0) -> None:
+        self._preload = preload
+        self._startup_timeout_s = startup_timeout_s
+        self._lock = threading.Lock()
+        self._proc: Any = None
+        self._conn: Any = None
+        self.num_killed = 0  # children killed for running past a deadline or found dead
+
+    def call(self, fn: Callable[..., Any], *args: Any, timeout_s: float) -> Any:
+        with self._lock:
+            if self._proc is None or not self._proc.is_alive():
+                self._start()
+            self._conn.send((fn, args))
+            if not self._conn.poll(timeout_s):
+                self._stop(kill=True)
+                self.num_killed += 1
+                raise RewardTimeout(f"{fn.__name__} took longer than {timeout_s:g}s; its process was killed")
+            try:
+                ok, value = self._conn.recv()
+            except (EOFError, OSError) as e:
+                self._stop(kill=True)
+                self.num_killed += 1
+                raise RewardError(f"{fn.__name__}: its process died ({e or 'no answer'})") from e
+            if not ok:
+                raise RewardError(f"{fn.__name__} raised {value}")
+            return value
+
+    def close(self) -> None:
+        with self._lock:
+            self._stop(kill=False)
+
+    def _start(self) -> None:
+        self._stop(kill=True)  # a child that died between calls
+        ctx = multiprocessing.get_context("spawn")
+        parent, child = ctx.Pipe()
+        proc = ctx.Process(target=_serve, args=(child, self._preload), name="rlfleet-reward-guard", daemon=True)
+        proc.start()
+        child.close()
+        if not parent.poll(self._startup_timeout_s):
+            proc.kill()
+            raise RewardError(f"reward process did not start within {self._startup_timeout_s:g}s")
+        try:
+            ready = parent.recv()
+        except EOFError as e:
+            raise RewardError("reward process exited while starting") from e
+        if ready != "ready":
+            proc.kill()
+            raise RewardError(f"reward process could not start: {ready}")
+        self._proc, self._conn = proc, parent
+
+    def _stop(self, *, kill: bool) -> None:
+        proc, conn, self._proc, self._conn = self._proc, self._conn, None, None
+        if proc is None:
+            return
+        if not kill:
+            try:
+                conn.send(None)  # asks the child to return
+            except OSError:
+                pass
+            proc.join(5)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(5)
+        conn.close()
+
+
+def _serve(conn: Any, preload: tuple[str, ...]) -> None:
+    """The child's loop: (fn, args) in, (True, result) or (False, "Type: message") out; None ends it."""
+    logging.getLogger("math_verify").setLevel(logging.ERROR)  # its timeouts are ours to report
+    try:
+        for module in preload:
+            importlib.import_module(module)
+    except Exception as e:  # reported to the parent, which refuses to use this child
+        conn.send(f"{type(e).__name__}: {e}")
+        return
+    conn.send("ready")
+    while True:
+        try:
+            request = conn.recv()
+        except EOFError:
+            return
+        if request is None:
+            return
+        fn, args = request
+        try:
+            conn.send((True, fn(*args)))
+        except Exception as e:
+            conn.send((False, f"{type(e).__name__}: {e}"))
+
+
+def math_verify_equal(completion: str, answer: str, seconds: int) -> bool:
+    """math-verify's judgement (run it in a GuardedProcess: it needs a main thread for its alarms).
+
+    The reference is read as LaTeX inside `\\boxed{}` unless it has its own `$` or `\\boxed`;
+    in the completion a boxed answer beats any other expression.
+    """
+    from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
+
+    gold_text = answer if ("\\boxed" in answer or "$" in answer) else f"\\boxed{{{answer}}}"
+    gold = parse(gold_text, parsing_timeout=seconds)
+    if not gold:
+        return False
+    config = [LatexExtractionConfig(boxed_match_priority=0), ExprExtractionConfig()]
+    predicted = parse(completion, extraction_config=config, parsing_timeout=seconds)
+    return bool(predicted) and bool(verify(gold, predicted, timeout_seconds=seconds))
+
+
+class MathVerifyReward:
+    """1.0 when math_answer already agrees (equal normalised strings or equal numbers: no
+    math-verify call), else when math-verify finds the completion's answer equivalent to the
+    reference (fractions, LaTeX forms, 0.5 vs 1/2, sqrt(8) vs 2 sqrt 2, sets, intervals).
+
+    An answer whose check runs past `timeout_s` scores 0.0 (counted in `num_timeouts`); the
+    checking process is killed and replaced, so a pathological answer never stalls a job.
+    """
+
+    def __init__(self, timeout_s: float) -> None:
+        if importlib.util.find_spec("math_verify") is None:
+            raise RewardError("reward.kind: math_verify needs the math-verify package (pip install math-verify)")
+        self.timeout_s = timeout_s
+        self.num_timeouts = 0
+        self._guard = GuardedProcess(preload=("math_verify",))
+        weakref.finalize(self, self._guard.close)  # the child goes with the reward (a finished job)
+        # math-verify's own alarms go off first, so most slow answers still get an answer back.
+        self._seconds = max(1, int(timeout_s / 3))
+
+    def __call__(self, completion: str, answer: str, prompt: str = "", metadata: Metadata | None = None) -> float:
+        if math_answer(completion, answer) == 1.0:
+            return 1.0
+        try:
+            equal = self._guard.call(math_verify_equal, completion, answer, self._seconds, timeout_s=self.timeout_s)
+        except RewardTimeout:
+            self.num_timeouts += 1
+            log.warning("math_verify: an answer took longer than %gs to check; it scores 0 (answer %r, completion "
+                        "ends %r)", self.timeout_s, answer[:80], completion[-200:])
+            return 0.0
+        return 1.0 if equal else 0.0
+
+    def close(self) -> None:
+        self._guard.close()
+
+
 # --------------------------------------------------------------------------- countdown
 
 _MAX_EXPRESSION_CHARS = 200
 _BINARY_OPS = {ast.Add: Fraction.__add__, ast.Sub: Fraction.__sub__, ast.Mult: Fraction.__mul__, ast.Div: Fraction.__truediv__}
 
 
-def countdown(completion: str, answer: str, prompt: str = "") -> float:
+def countdown(completion: str, answer: str, prompt: str = "", metadata: Metadata | None = None) -> float:
     """Score a Countdown answer: reach the target with + - * / and the given numbers.
 
     The answer is `"target|n1,n2,..."` (e.g. `"24|3,4,6,1"`). The expression is the content of
@@ -198,17 +369,31 @@ def load_python_reward(spec: str) -> Reward:
     return _checked(spec, target)
 
 
-def _checked(name: str, fn: Callable[[str, str, str], object]) -> Reward:
-    """Wrap user code: its exceptions and non-numeric or non-finite results become RewardError."""
+def _checked(name: str, fn: Callable[..., object]) -> Reward:
+    """Wrap user code: its exceptions and non-numeric or non-finite results become RewardError.
+    The row's metadata is passed as `metadata=` only to a function whose signature takes it
+    (a `metadata` parameter or **kwargs), so three-argument rewards keep working."""
+    takes_metadata = _takes_metadata(fn)
 
-    def reward(completion: str, answer: str, prompt: str) -> float:
+    def reward(completion: str, answer: str, prompt: str, metadata: Metadata | None = None) -> float:
         try:
-            value = fn(completion, answer, prompt)
+            if takes_metadata:
+                value = fn(completion, answer, prompt, metadata=dict(metadata or {}))
+            else:
+                value = fn(completion, answer, prompt)
         except Exception as e:
             raise RewardError(f"reward {name} raised {type(e).__name__}: {e}") from e
         return _as_reward(name, value)
 
     return reward
+
+
+def _takes_metadata(fn: Callable[..., object]) -> bool:
+    try:
+        parameters = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # some builtins have no signature
+        return False
+    return any(p.name == "metadata" or p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
 
 
 def _as_reward(source: str, value: object) -> float:
@@ -220,14 +405,18 @@ def _as_reward(source: str, value: object) -> float:
 
 
 class HttpReward:
-    """POSTs `{"prompt", "completion", "answer"}` as JSON to a URL and reads `{"reward": float}`."""
+    """POSTs `{"prompt", "completion", "answer"}` (and `"metadata"` when the row has any) as JSON
+    to a URL and reads `{"reward": float}`."""
 
     def __init__(self, url: str, timeout_s: float) -> None:
         self.url = url
         self.timeout_s = timeout_s
 
-    def __call__(self, completion: str, answer: str, prompt: str) -> float:
-        body = json.dumps({"prompt": prompt, "completion": completion, "answer": answer}).encode()
+    def __call__(self, completion: str, answer: str, prompt: str, metadata: Metadata | None = None) -> float:
+        payload = {"prompt": prompt, "completion": completion, "answer": answer}
+        if metadata:
+            payload["metadata"] = dict(metadata)
+        body = json.dumps(payload).encode()
         request = urllib.request.Request(
             self.url, data=body, method="POST", headers={"Content-Type": "application/json"}
         )
@@ -280,4 +469,6 @@ def build_reward(cfg: RewardConfig) -> Reward:
     if cfg.kind == "http":
         assert cfg.url is not None  # RewardConfig requires it
         return HttpReward(cfg.url, cfg.timeout_s)
+    if cfg.kind == "math_verify":
+        return MathVerifyReward(cfg.timeout_s)
     raise ValueError(f"reward.kind: unknown kind {cfg.kind!r}")

