@@ -95,9 +95,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if args.stop_workers_on_finish:
             _stop_workers(args, discovery, log)
     else:
-        server.wait_for_termination_or_signal(grace_s=args.grace)
-        log.info("stopped")
-        code = 0
+        told = server.wait_for_termination_or_signal(grace_s=args.grace)
+        log.info("stopped (%s)", "Shutdown call" if told else "signal")
+        code = 0 if told else args.exit_code_on_signal
     if discovery is not None:
         discovery.close()
     return code
@@ -135,7 +135,8 @@ def _worker_fleet(args: argparse.Namespace, token: str | None):
     except ImportError as e:
         raise ValueError(f"--discovery kubernetes needs the kubernetes client (pip install 'rlfleet[k8s]'): {e}") from e
     cfg = k8s.KubernetesDiscoveryConfig(
-        namespace=args.namespace or k8s.default_namespace(), instance=args.instance, port=args.worker_port
+        namespace=args.namespace or k8s.default_namespace(), instance=args.instance, port=args.worker_port,
+        colocated_rollout_port=args.colocated_rollout_port, revision=args.revision,
     )
     discovery = k8s.KubernetesDiscovery(cfg).start()
     fleet = make_fleet(
@@ -262,6 +263,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--namespace", help="coordinator: namespace of the worker pods (default: the pod's own)")
     serve.add_argument("--instance", default="rlfleet", help="coordinator: app.kubernetes.io/instance of the workers")
     serve.add_argument("--worker-port", type=int, default=50051, help="coordinator: gRPC port of discovered pods")
+    serve.add_argument("--colocated-rollout-port", type=int, default=50052,
+                       help="coordinator: gRPC port of the engine in a colocated trainer+engine pod")
+    serve.add_argument("--revision", default="",
+                       help="coordinator: only workers labelled rlfleet.dev/revision=REVISION (an eval release's own)")
     serve.add_argument("--discovery-wait-s", type=float, default=600.0,
                        help="coordinator: how long a job waits for enough ready workers")
     serve.add_argument("--eval-trainers", type=int, default=0,
@@ -277,6 +282,9 @@ def build_parser() -> argparse.ArgumentParser:
                        default=[m for m in os.environ.get("RLFLEET_ALLOW_REWARD_MODULES", "").split(",") if m],
                        help="coordinator: a module (or package) python rewards may import; repeat for more "
                             "(default: RLFLEET_ALLOW_REWARD_MODULES, comma-separated; none: python rewards refused)")
+    serve.add_argument("--exit-code-on-signal", type=int, default=0,
+                       help="trainer, rollout: exit code after SIGTERM/SIGINT (a worker run as a Kubernetes Job "
+                            "exits non-zero when drained, so the Job replaces it; 0 only after Shutdown)")
     serve.add_argument("--stop-workers-on-finish", action="store_true",
                        help="coordinator with --job --exit-on-finish: ask every worker to exit when the job ends")
     serve.add_argument("--exit-on-finish", action="store_true",

@@ -98,18 +98,24 @@ class Server:
         for hook in self.on_stop:
             hook()
 
-    def wait_for_termination_or_signal(self, grace_s: float = 5.0) -> None:
+    def wait_for_termination_or_signal(self, grace_s: float = 5.0) -> bool:
         """Block until SIGTERM/SIGINT or a Shutdown call, then stop gracefully (in-flight calls
-        get `grace_s`)."""
+        get `grace_s`); True when a Shutdown call ended it."""
         wait_for_signal(self.shutdown)
         self.stop(grace_s)
+        return self.shutdown.is_set() and not getattr(self.shutdown, "by_signal", False)
 
 
 def wait_for_signal(stop: threading.Event | None = None) -> None:
     """Block the main thread until SIGTERM or SIGINT arrives (or `stop` is set)."""
     stop = stop or threading.Event()
+
+    def on_signal(*_) -> None:
+        stop.by_signal = True  # told apart from a Shutdown call, which sets the event itself
+        stop.set()
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
+        signal.signal(sig, on_signal)
     while not stop.wait(0.5):
         pass
 

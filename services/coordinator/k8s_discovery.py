@@ -36,6 +36,10 @@ NAME_LABEL = "app.kubernetes.io/name"
 INSTANCE_LABEL = "app.kubernetes.io/instance"
 COMPONENT_LABEL = "app.kubernetes.io/component"
 ROLES = ("trainer", "rollout")
+# A pod running a trainer and a rollout engine side by side (one GPU, shared /dev/shm and IPC): it
+# is a trainer at `port` and an engine at `colocated_rollout_port`.
+COLOCATED = "colocated"
+REVISION_LABEL = "rlfleet.dev/revision"
 _SERVICE_ACCOUNT_NAMESPACE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
 
 
@@ -47,6 +51,9 @@ class KubernetesDiscoveryConfig:
         namespace: namespace of the worker pods (the coordinator's own, in the chart).
         instance: value of the app.kubernetes.io/instance label (the Helm release name).
         port: gRPC port of the trainer and rollout containers.
+        colocated_rollout_port: gRPC port of the engine in a colocated pod (its trainer is at `port`).
+        revision: only pods labelled rlfleet.dev/revision=<this> (an eval release's own workers,
+            never the previous revision's still shutting down); empty = any.
         watch_timeout_s: the API server ends each watch after this long; the watcher then re-lists.
         request_timeout_s: connect timeout, and read timeout of a list.
         read_grace_s: a watch with no bytes for watch_timeout_s + this is taken as dead.
@@ -56,6 +63,8 @@ class KubernetesDiscoveryConfig:
     namespace: str
     instance: str
     port: int = 50051
+    colocated_rollout_port: int = 50052
+    revision: str = ""
     watch_timeout_s: float = 240.0
     request_timeout_s: float = 30.0
     read_grace_s: float = 15.0
@@ -71,7 +80,9 @@ class KubernetesDiscoveryConfig:
 
     @property
     def label_selector(self) -> str:
-        return f"{NAME_LABEL}=rlfleet,{INSTANCE_LABEL}={self.instance},{COMPONENT_LABEL} in ({','.join(sorted(ROLES))})"
+        roles = ",".join(sorted((*ROLES, COLOCATED)))
+        selector = f"{NAME_LABEL}=rlfleet,{INSTANCE_LABEL}={self.instance},{COMPONENT_LABEL} in ({roles})"
+        return selector + (f",{REVISION_LABEL}={self.revision}" if self.revision else "")
 
 
 def pod_address(pod: dict[str, Any], port: int) -> str | None:
@@ -260,8 +271,13 @@ class KubernetesDiscovery(ReadySetDiscovery):
             for name, pod in pods:
                 role = ((pod.get("metadata") or {}).get("labels") or {}).get(COMPONENT_LABEL)
                 address = pod_address(pod, self.cfg.port)
-                if role in ready and address is not None:
+                if address is None:
+                    continue
+                if role in ready:
                     ready[role].append((rank_key(name), address))
+                elif role == COLOCATED:  # both: the trainer at `port`, the engine beside it
+                    ready["trainer"].append((rank_key(name), address))
+                    ready["rollout"].append((rank_key(name), pod_address(pod, self.cfg.colocated_rollout_port)))
             trainers = [a for _, a in sorted(ready["trainer"])]
             rollouts = [a for _, a in sorted(ready["rollout"])]
             if self._ready.replace(trainers, rollouts):

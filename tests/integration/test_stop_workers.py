@@ -40,3 +40,17 @@ def test_workers_exit_cleanly_when_the_one_job_ends(tmp_path, tiny_model_dir, ta
         assert "shutdown requested" in trainer.log_tail(40)
     finally:
         local.stop()
+
+
+def test_a_worker_exits_non_zero_when_signalled_if_asked(tmp_path):
+    """A worker run as a Kubernetes Job must not count as done when a drain stops it."""
+    import signal
+
+    local = LocalFleet(tmp_path / "logs", env={"OMP_NUM_THREADS": "1"})
+    try:
+        worker = local.start("rollout", "rollout-0", ["--exit-code-on-signal", "143"])
+        local.wait_ready()
+        worker.process.send_signal(signal.SIGTERM)
+        assert worker.process.wait(timeout=60) == 143
+    finally:
+        local.stop()

@@ -237,3 +237,24 @@ def test_static_discovery_matches_the_protocol(tmp_path):
     assert [e.address for e in fleet.engines] == ["r:1", "r:2"] and [t.address for t in fleet.trainers] == ["t:1"]
     for client in [*fleet.engines, *fleet.trainers]:
         client.close()
+
+
+def test_a_colocated_pod_is_a_trainer_and_an_engine_at_their_own_ports(api, discovery):
+    make_pod(api, "demo-colocated-1", "colocated", ip="10.0.2.2", ready=True)
+    make_pod(api, "demo-colocated-0", "colocated", ip="10.0.2.1", ready=True)
+    discovery.start()
+    until(discovery, trainers=["10.0.2.1:50051", "10.0.2.2:50051"], rollouts=["10.0.2.1:50052", "10.0.2.2:50052"])
+
+
+def test_an_eval_revision_sees_only_its_own_workers(cluster, api):
+    cfg = KubernetesDiscoveryConfig(namespace=NS, instance="demo", revision="3", watch_timeout_s=1, read_grace_s=0.5,
+                                    request_timeout_s=5, backoff_s=(0.1, 0.5))
+    found = KubernetesDiscovery(cfg, api)
+    try:
+        make_pod(api, "demo-eval-2-rollout-0-abc", "rollout", ip="10.0.3.1", ready=True, **{"rlfleet.dev/revision": "2"})
+        make_pod(api, "demo-eval-3-rollout-0-def", "rollout", ip="10.0.3.2", ready=True, **{"rlfleet.dev/revision": "3"})
+        found.start()
+        until(found, rollouts=["10.0.3.2:50051"])  # the previous revision's worker, still shutting down, is not ours
+        assert cfg.label_selector.endswith(",rlfleet.dev/revision=3")
+    finally:
+        found.close()
