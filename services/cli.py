@@ -61,7 +61,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.role == "trainer":
         from services.trainer.server import build_server
 
-        server = build_server(address, token, checkpoint_root=args.checkpoint_root, metrics_port=args.metrics_port)
+        server = build_server(address, token, checkpoint_root=args.checkpoint_root, metrics_port=args.metrics_port,
+                              rank_store_port=args.rank_store_port, weight_store_port=args.weight_store_port)
     elif args.role == "rollout":
         from services.rollout.server import build_server
 
@@ -252,6 +253,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--checkpoint-root", default=os.environ.get("RLFLEET_CHECKPOINT_ROOT", "."),
                        help="trainer: checkpoints are saved and loaded under this folder only "
                             "(default: RLFLEET_CHECKPOINT_ROOT, else the working directory)")
+    serve.add_argument("--rank-store-port", type=int, default=0,
+                       help="trainer: port of rank 0's rendezvous store for a multi-rank trainer (0: a free one)")
+    serve.add_argument("--weight-store-port", type=int, default=0,
+                       help="trainer: port of the weight-sync broadcast group's store (0: a free one)")
     serve.add_argument("--metrics-port", type=int, default=None,
                        help="trainer, rollout: serve Prometheus metrics at http://HOST:PORT/metrics (0: a free port)")
     serve.add_argument("--trainers", help="coordinator: comma-separated trainer addresses")

@@ -34,11 +34,12 @@ def _timeout(timeout_s: float) -> datetime.timedelta:
     return datetime.timedelta(seconds=timeout_s)
 
 
-def open_store(world_size: int, timeout_s: float) -> dist.TCPStore:
-    """Rank 0's rendezvous store on a free port (`.port`); it lives as long as the group."""
+def open_store(world_size: int, timeout_s: float, port: int = 0) -> dist.TCPStore:
+    """Rank 0's rendezvous store on `port` (0: a free one; `.port` says which); it lives as long
+    as the group. A fixed port lets a NetworkPolicy name it."""
     if not 2 <= world_size <= MAX_RANKS:
         raise ValueError(f"world_size: a rank group has 2 to {MAX_RANKS} ranks, got {world_size}")
-    return dist.TCPStore("0.0.0.0", 0, world_size, is_master=True, timeout=_timeout(timeout_s),
+    return dist.TCPStore("0.0.0.0", port, world_size, is_master=True, timeout=_timeout(timeout_s),
                          wait_for_workers=False)
 
 

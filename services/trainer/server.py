@@ -105,8 +105,10 @@ def _lifecycle_proto(state) -> trainer_pb2.LifecycleStatus:
 
 
 class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
-    def __init__(self, checkpoint_root: Path = Path("."), metrics: telemetry.TrainerMetrics | None = None):
+    def __init__(self, checkpoint_root: Path = Path("."), metrics: telemetry.TrainerMetrics | None = None,
+                 rank_store_port: int = 0, weight_store_port: int = 0):
         self._checkpoint_root = checkpoint_root
+        self._rank_store_port, self._weight_store_port = rank_store_port, weight_store_port
         self.metrics = metrics or telemetry.TrainerMetrics()
         self.shutdown = threading.Event()  # build_server hands it the server's own
         self._lock = threading.Lock()
@@ -182,7 +184,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
                 self._join_ranks(request.config.ranks, settings, store)
                 trainer = build_backend(settings)
                 with self._lock:
-                    self._trainer, self._pusher = trainer, WeightPusher(trainer)
+                    self._trainer, self._pusher = trainer, WeightPusher(trainer, self._weight_store_port)
                     log.info("configured: %s (%s backend, %d parameters, %s, eval_only=%s)", settings.model_path,
                              settings.backend, trainer.num_parameters, settings.device, settings.eval_only)
                     return trainer_pb2.ConfigureTrainerResponse(
@@ -207,7 +209,10 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
 
     def OpenRankGroup(self, request, context):
         with self._lock, rpc.abort_on(context, _ERRORS):
-            self._rank_store = ranks.open_store(request.world_size, rpc.timeout_seconds(request.timeout_s, 600.0))
+            if self._rank_store is not None:  # a retry: the old store holds the fixed port
+                self._rank_store = None
+            self._rank_store = ranks.open_store(request.world_size, rpc.timeout_seconds(request.timeout_s, 600.0),
+                                                self._rank_store_port)
             return trainer_pb2.OpenRankGroupResponse(port=self._rank_store.port)
 
     def GetStatus(self, request, context):
@@ -386,10 +391,12 @@ def confine(path: str, root: Path) -> Path:
 
 
 def build_server(address: str = "127.0.0.1:0", token: str | None = None,
-                 checkpoint_root: str | Path = ".", metrics_port: int | None = None) -> rpc.Server:
+                 checkpoint_root: str | Path = ".", metrics_port: int | None = None,
+                 rank_store_port: int = 0, weight_store_port: int = 0) -> rpc.Server:
     """A trainer server; checkpoints go under `checkpoint_root` only (default: the working
     directory); Prometheus metrics at http://<host>:<metrics_port>/metrics when given."""
-    servicer = TrainerServicer(Path(checkpoint_root))
+    servicer = TrainerServicer(Path(checkpoint_root), rank_store_port=rank_store_port,
+                               weight_store_port=weight_store_port)
     server = rpc.create_server(
         lambda s: rpc.add_servicer(trainer_pb2_grpc.add_TrainerServicer_to_server, servicer, s, serialized=("GetWeights",)),
         (SERVICE_NAME,),

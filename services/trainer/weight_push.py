@@ -36,8 +36,9 @@ GRPC_STREAM, BROADCAST, CUDA_IPC, SHM = (
 
 
 class WeightPusher:
-    def __init__(self, trainer):
+    def __init__(self, trainer, store_port: int = 0):
         self.trainer = trainer
+        self.store_port = store_port  # where weight-group stores listen (0: a free port each time)
         self.source = WeightSource(trainer.settings.bucket_bytes)
         self.groups: dict[str, WeightGroup] = {}
         self._shm = ShmWriter()
@@ -147,7 +148,7 @@ class WeightPusher:
         self.destroy_group(name)
         group = WeightGroup(
             master_address=request.master_address or "0.0.0.0",
-            master_port=request.master_port or free_port(),
+            master_port=request.master_port or self.store_port or free_port(),
             rank=0,
             world_size=request.world_size,
             group_name=name,

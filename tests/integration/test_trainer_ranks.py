@@ -142,3 +142,22 @@ def _error(call):
     except PeerError as e:
         return e
     return None
+
+
+def test_fixed_store_ports_are_the_ones_used(tiny_model_dir):
+    """Ports a NetworkPolicy can name: rank 0's rendezvous store and the weight-sync store."""
+    from services.api import weights_pb2
+    from services.trainer.server import build_server
+    from services.weights.broadcast import free_port
+
+    rank_port, weight_port = free_port(), free_port()
+    server = build_server("127.0.0.1:0", rank_store_port=rank_port, weight_store_port=weight_port)
+    try:
+        client = TrainerClient(f"127.0.0.1:{server.port}")
+        assert client.open_rank_group(2, timeout_s=10) == rank_port
+        assert client.open_rank_group(2, timeout_s=10) == rank_port  # asked again: the old store let it go
+        client.configure(_config(tiny_model_dir))
+        assert client.init_weight_update_group("g", 1, "gloo", timeout_s=5) == weight_port  # alone: formed at once
+        client.destroy_weight_update_group("g")
+    finally:
+        server.stop(0)
