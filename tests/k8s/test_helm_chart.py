@@ -195,11 +195,11 @@ def test_gpus_go_to_trainers_and_rollouts_only(chart):
 
 def test_eval_mode_is_a_job_with_rollouts_and_no_trainers_for_hf(chart):
     objects = render(chart, values(mode="eval"))
-    assert not m.by_kind(objects, "Deployment")
-    assert [s["metadata"]["labels"][m.COMPONENT] for s in m.by_kind(objects, "StatefulSet")] == ["rollout"]
+    assert not m.by_kind(objects, "Deployment") and not m.by_kind(objects, "StatefulSet")
+    assert sorted(j["metadata"]["labels"][m.COMPONENT] for j in m.by_kind(objects, "Job")) == ["coordinator", "rollout"]
     assert "trainer" not in {s["metadata"]["labels"][m.COMPONENT] for s in m.by_kind(objects, "Service")}
 
-    (job,) = m.by_kind(objects, "Job")
+    job = m.one(objects, "Job", "coordinator")
     assert job["apiVersion"] == "batch/v1"
     spec = job["spec"]
     assert spec["backoffLimit"] == 0 and spec["activeDeadlineSeconds"] > 0 and spec["ttlSecondsAfterFinished"] > 0
@@ -207,7 +207,7 @@ def test_eval_mode_is_a_job_with_rollouts_and_no_trainers_for_hf(chart):
     assert pod["restartPolicy"] == "Never"
     main = m.container(job)
     assert main["args"][:2] == ["serve", "coordinator"]
-    assert main["args"][-2:] == ["--job=/config/job.yaml", "--exit-on-finish"]
+    assert main["args"][-4:] == ["--revision=1", "--job=/config/job.yaml", "--exit-on-finish", "--stop-workers-on-finish"]
     assert not any(a.startswith("--eval-trainers") for a in main["args"])
     mounts = {mt["mountPath"]: mt["name"] for mt in main["volumeMounts"]}
     volumes = {v["name"]: v for v in pod["volumes"]}
@@ -227,8 +227,9 @@ def test_eval_mode_job_config_is_eval_only_without_optimizer_or_scheduler(chart)
 
 def test_eval_mode_with_an_rlfleet_checkpoint_runs_trainers_too(chart):
     objects = render(chart, values(mode="eval", model={**BASE["model"], "format": "rlfleet"}, replicas={"trainers": 2, "rollouts": 1}))
-    assert m.one(objects, "StatefulSet", "trainer")["spec"]["replicas"] == 2
-    (job,) = m.by_kind(objects, "Job")
+    trainers = m.one(objects, "Job", "trainer")["spec"]
+    assert trainers["completionMode"] == "Indexed" and trainers["completions"] == trainers["parallelism"] == 2
+    job = m.one(objects, "Job", "coordinator")
     assert "--eval-trainers=2" in m.container(job)["args"]
     assert "optimizer" not in job_config(objects)["trainer"]
 

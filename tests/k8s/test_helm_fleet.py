@@ -177,7 +177,7 @@ def test_the_eval_jobs_pod_takes_the_eval_job_placement(chart):
                        evalJob={"backoffLimit": 0, "priorityClassName": "eval", "nodeSelector": {"pool": "cpu"},
                                 "podLabels": {"suite": "nightly"}},
                        coordinator={"priorityClassName": "not-used-in-eval-mode"})
-    (job,) = m.by_kind(objects, "Job")
+    job = m.one(objects, "Job", "coordinator")
     pod = job["spec"]["template"]
     assert pod["spec"]["priorityClassName"] == "eval" and pod["spec"]["nodeSelector"] == {"pool": "cpu"}
     assert pod["metadata"]["labels"]["suite"] == "nightly"
@@ -275,7 +275,7 @@ def test_each_revision_runs_its_own_eval_job(chart):
     for text in (first, second):
         objects = [o for path, t in text.items() if not path.endswith("NOTES.txt") for o in m.load_all(t)]
         m.validate(objects)
-        (job,) = m.by_kind(objects, "Job")
+        job = m.one(objects, "Job", "coordinator")
         jobs.append(job)
         notes = next(t for path, t in text.items() if path.endswith("NOTES.txt"))
         assert f"job/{job['metadata']['name']}" in notes
@@ -308,7 +308,9 @@ def test_disruption_budgets_keep_every_pod_a_running_job_needs(chart):
 
 def test_the_last_rollout_pod_is_never_drained_and_an_hf_eval_has_no_trainer_budget(chart):
     budgets = _budgets(rendered(chart, mode="eval"))
-    assert set(budgets) == {"coordinator", "rollout"} and budgets["rollout"]["maxUnavailable"] == 0
+    # Eval workers are Job pods: an integer minAvailable is the budget the eviction API honours for them.
+    assert set(budgets) == {"coordinator", "rollout"} and budgets["rollout"] == {
+        "minAvailable": 1, "unhealthyPodEvictionPolicy": "AlwaysAllow", "selector": budgets["rollout"]["selector"]}
     assert not _budgets(rendered(chart, mode="train", podDisruptionBudget={"enabled": False}))
 
 

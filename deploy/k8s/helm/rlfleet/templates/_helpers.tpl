@@ -104,7 +104,7 @@ Trainer pods exist in train mode, and in eval mode only when trainers must load 
 (model.format rlfleet); a Hugging Face checkpoint is loaded by the rollout engines themselves.
 */}}
 {{- define "rlfleet.needsTrainers" -}}
-{{- if or (eq .Values.mode "train") (eq .Values.model.format "rlfleet") }}true{{ end }}
+{{- if or (eq .Values.mode "train") (eq .Values.model.format "rlfleet") .Values.colocate.enabled }}true{{ end }}
 {{- end }}
 
 {{/*
@@ -151,10 +151,17 @@ a zero-length LR schedule for an eval.
 {{- fail (printf "job.trainer.num_trainers: %d is more than replicas.trainers (%d)" (int $trainer.num_trainers) (int .Values.replicas.trainers)) }}
 {{- end }}
 {{- end }}
+{{- $engines := include "rlfleet.engineReplicas" . }}
 {{- if not (hasKey $rollout "num_engines") }}
-{{- $_ := set $rollout "num_engines" (int .Values.replicas.rollouts) }}
-{{- else if gt (int $rollout.num_engines) (int .Values.replicas.rollouts) }}
-{{- fail (printf "job.rollout.num_engines: %d is more than replicas.rollouts (%d)" (int $rollout.num_engines) (int .Values.replicas.rollouts)) }}
+{{- $_ := set $rollout "num_engines" (int (splitList " " $engines | first)) }}
+{{- else if gt (int $rollout.num_engines) (int (splitList " " $engines | first)) }}
+{{- fail (printf "job.rollout.num_engines: %d is more than %s (%s)" (int $rollout.num_engines) (splitList " " $engines | last) (splitList " " $engines | first)) }}
+{{- end }}
+{{- if .Values.colocate.enabled }}
+{{- if and (hasKey $trainer "colocate") (not $trainer.colocate) }}
+{{- fail "job.trainer.colocate: false, but colocate.enabled puts every trainer beside an engine; leave it out (the chart sets true) or turn colocate off" }}
+{{- end }}
+{{- $_ := set $trainer "colocate" true }}
 {{- end }}
 {{- if $trainer }}
 {{- $_ := set $job "trainer" $trainer }}
@@ -163,6 +170,16 @@ a zero-length LR schedule for an eval.
 {{- include "rlfleet.jobDevices" (dict "root" . "job" $job) }}
 {{- include "rlfleet.jobStorage" (dict "root" . "job" $job) }}
 {{- toYaml $job }}
+{{- end }}
+
+{{/* Rollout engines of the release and where that number comes from, as "N field":
+replicas.trainers with colocate (an engine beside each trainer), else replicas.rollouts. */}}
+{{- define "rlfleet.engineReplicas" -}}
+{{- if .Values.colocate.enabled }}
+{{- printf "%d replicas.trainers" (int .Values.replicas.trainers) }}
+{{- else }}
+{{- printf "%d replicas.rollouts" (int .Values.replicas.rollouts) }}
+{{- end }}
 {{- end }}
 
 {{/*
@@ -229,7 +246,8 @@ coordinator puts it under --runs-dir (<sharedStorage.mountPath>/runs). Checks on
 {{- end }}
 {{- end }}
 
-{{/* Resource requests and limits of a role, with its GPUs. Call with (dict "root" $ "role" "trainer"). */}}
+{{/* Resource requests and limits of a role, with its GPUs: nvidia.com/gpu from the device plugin, or
+with claim (a colocated pod) the pod's GPU claim. Call with (dict "root" $ "role" "trainer" "claim" false). */}}
 {{- define "rlfleet.resources" -}}
 {{- $res := deepCopy (get .root.Values.resources .role) }}
 {{- $role := .role }}
@@ -241,7 +259,9 @@ coordinator puts it under --runs-dir (<sharedStorage.mountPath>/runs). Checks on
 {{- end }}
 {{- end }}
 {{- $gpus := int (include "rlfleet.gpus" .) }}
-{{- if gt $gpus 0 }}
+{{- if and (gt $gpus 0) .claim }}
+{{- $_ := set $res "claims" (list (dict "name" "gpu")) }}
+{{- else if gt $gpus 0 }}
 {{- $limits := default dict (get $res "limits") }}
 {{- $requests := default dict (get $res "requests") }}
 {{- $_ := set $limits "nvidia.com/gpu" $gpus }}
@@ -291,14 +311,14 @@ A Kubernetes quantity in bytes (a float), for comparing sizes. Call with (dict "
 
 {{/* Native gRPC probes on grpc.health.v1, or, with TLS on (the kubelet's gRPC probes speak
 plaintext only), TCP probes of the same port: readiness then means listening, not SERVING.
-Call with (dict "root" $ "service" "rlfleet.v1.Trainer" "readiness" true). */}}
+Call with (dict "root" $ "service" "rlfleet.v1.Trainer" "readiness" true "port" 50051); port defaults to 50051. */}}
 {{- define "rlfleet.probe" -}}
 {{- if .root.Values.tls.existingSecret }}
 tcpSocket:
-  port: 50051
+  port: {{ .port | default 50051 }}
 {{- else }}
 grpc:
-  port: 50051
+  port: {{ .port | default 50051 }}
   service: {{ .service }}
 {{- end }}
 {{- end }}
@@ -472,13 +492,14 @@ affinity:
 
 {{/*
 Pod template labels (the chart's, which the selectors and the coordinator's discovery rely on,
-win over podLabels) and annotations (the role's over the global; extra ones such as a config
-checksum over both). Call with (dict "root" $ "component" "trainer" "block" "trainer" "annotations" dict).
+win over podLabels; .labels, such as an eval's revision, are the chart's too) and annotations (the
+role's over the global; extra ones such as a config checksum over both).
+Call with (dict "root" $ "component" "trainer" "block" "trainer" "annotations" dict "labels" dict).
 */}}
 {{- define "rlfleet.podMetadata" -}}
 {{- $v := .root.Values }}
 {{- $own := default dict (get $v .block) }}
-{{- $chart := fromYaml (include "rlfleet.labels" .) }}
+{{- $chart := merge (fromYaml (include "rlfleet.labels" .)) (default dict .labels) }}
 {{- $labels := merge $chart (deepCopy (default dict $own.podLabels)) (deepCopy (default dict $v.podLabels)) }}
 {{- $annotations := merge (default dict .annotations) (deepCopy (default dict $own.podAnnotations)) (deepCopy (default dict $v.podAnnotations)) }}
 labels:
@@ -493,8 +514,9 @@ annotations:
 The role's scratch emptyDirs with their sizeLimits (scratch.*): /tmp on every pod, and on trainer
 and rollout pods a memory-backed /dev/shm (NCCL, gloo and the shm weight plane need more than the
 runtime's 64 MiB). tmpfs pages count against the pod's memory limit, so a /dev/shm allowed to grow
-past that limit would end in an OOM kill instead of ENOSPC: refused here.
-Call with (dict "root" $ "role" "trainer").
+past that limit would end in an OOM kill instead of ENOSPC: refused here. A colocated pod has the
+trainer's /dev/shm (its host copy is the big user) and a second /tmp for its rollout container
+(only "tmp", name "tmp-rollout"). Call with (dict "root" $ "role" "trainer" ["only" "tmp" "name" "tmp-rollout"]).
 */}}
 {{- define "rlfleet.scratchVolumes" -}}
 {{- $v := .root.Values }}
@@ -502,10 +524,10 @@ Call with (dict "root" $ "role" "trainer").
 {{- with get $v.scratch.tmp .role }}
 {{- $_ := set $tmp "sizeLimit" . }}
 {{- end }}
-- name: tmp
+- name: {{ .name | default "tmp" }}
   emptyDir:
     {{- toYaml $tmp | nindent 4 }}
-{{- if ne .role "coordinator" }}
+{{- if and (ne .role "coordinator") (ne (toString .only) "tmp") }}
 {{- $field := printf "scratch.shm.%s" .role }}
 {{- $size := get $v.scratch.shm .role }}
 {{- if and (eq .role "rollout") (eq (include "rlfleet.rolloutEngine" .root) "sglang") }}
@@ -579,6 +601,9 @@ read-only for rollout pods. Call with (dict "root" $ "role" "trainer"). */}}
 - --namespace=$(POD_NAMESPACE)
 - --instance={{ .Release.Name }}
 - --worker-port=50051
+{{- if .Values.colocate.enabled }}
+- --colocated-rollout-port=50052
+{{- end }}
 - --discovery-wait-s={{ .Values.discovery.waitSeconds }}
 - --log-level={{ .Values.logLevel }}
 {{- if .Values.token.existingSecret }}
