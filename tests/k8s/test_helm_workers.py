@@ -169,7 +169,8 @@ def test_colocated_pods_run_a_trainer_and_an_engine_sharing_dev_shm(chart):
     assert containers["trainer"]["args"][:2] == ["serve", "trainer"] and m.arg(containers["trainer"], "port") == "50051"
     assert containers["rollout"]["args"][:2] == ["serve", "rollout"] and m.arg(containers["rollout"], "port") == "50052"
     ports = {p["name"]: p["containerPort"] for c in containers.values() for p in c["ports"]}
-    assert ports == {"grpc": 50051, "metrics": 9400, "grpc-rollout": 50052, "metrics-rollout": 9401}
+    assert ports == {"grpc": 50051, "metrics": 9400, "grpc-rollout": 50052, "metrics-rollout": 9401,
+                     "rank-store": 29400, "weight-store": 29401}
     for name, main in containers.items():
         for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
             assert main[probe]["grpc"]["port"] == int(m.arg(main, "port")), (name, probe)
@@ -181,7 +182,9 @@ def test_colocated_pods_run_a_trainer_and_an_engine_sharing_dev_shm(chart):
     assert mounts["trainer"]["/tmp"] != mounts["rollout"]["/tmp"]
     assert "shareProcessNamespace" not in spec  # no GPU, no CUDA IPC: nothing more is shared
     service = m.one(objects, "Service", "colocated")
-    assert {p["name"]: p["port"] for p in service["spec"]["ports"]} == ports
+    # the Service names the ports clients dial; the rendezvous stores are reached by pod IP
+    assert {p["name"]: p["port"] for p in service["spec"]["ports"]} == {
+        k: v for k, v in ports.items() if k not in ("rank-store", "weight-store")}
 
     args = coordinator_args(objects)
     assert "--colocated-rollout-port=50052" in args and "--worker-port=50051" in args
@@ -248,3 +251,12 @@ def test_colocated_pods_admit_the_coordinator_on_both_ports_and_are_scraped_twic
 )
 def test_contradictory_colocate_settings_are_refused(chart, overrides, message):
     refused(chart, message, **{"mode": "train", "colocate": {"enabled": True, "gpuDeviceClass": "gpu.nvidia.com"}, **overrides})
+
+
+def test_trainers_listen_for_rendezvous_on_declared_ports(chart):
+    objects = rendered(chart, mode="train", replicas={"trainers": 2, "rollouts": 1})
+    trainer = m.container(m.one(objects, "StatefulSet", "trainer"))
+    assert {"--rank-store-port=29400", "--weight-store-port=29401"} <= set(trainer["args"])
+    assert {(p["name"], p["containerPort"]) for p in trainer["ports"]} >= {("rank-store", 29400), ("weight-store", 29401)}
+    rollout = m.container(m.one(objects, "StatefulSet", "rollout"))
+    assert not any(a.startswith("--rank-store-port") for a in rollout["args"])

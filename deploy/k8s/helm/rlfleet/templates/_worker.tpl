@@ -194,6 +194,12 @@ args:
   {{- if $root.Values.metrics.enabled }}
   - --metrics-port={{ .metricsPort }}
   {{- end }}
+  {{- if eq .role "trainer" }}
+  # Rendezvous stores on fixed, declared ports (rank groups, weight sync); gloo and NCCL still
+  # pick their data ports at run time.
+  - --rank-store-port={{ $root.Values.storePorts.rank }}
+  - --weight-store-port={{ $root.Values.storePorts.weights }}
+  {{- end }}
   {{- if eq $root.Values.mode "eval" }}
   # Drained: exit non-zero, so the Job replaces the pod instead of counting its index done.
   - --exit-code-on-signal=143
@@ -207,6 +213,14 @@ ports:
   {{- if $root.Values.metrics.enabled }}
   - name: metrics{{ .suffix }}
     containerPort: {{ .metricsPort }}
+    protocol: TCP
+  {{- end }}
+  {{- if eq .role "trainer" }}
+  - name: rank-store
+    containerPort: {{ $root.Values.storePorts.rank }}
+    protocol: TCP
+  - name: weight-store
+    containerPort: {{ $root.Values.storePorts.weights }}
     protocol: TCP
   {{- end }}
 env:
