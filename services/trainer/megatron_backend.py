@@ -182,22 +182,17 @@ class MegatronTrainer(TorchTrainer):
 
     def load_checkpoint(self, path: str, *, load_optimizer: bool) -> None:
         """Every rank loads its shards from the Hugging Face folder (and its optimizer shard)."""
-        self.use(ACTOR)
+        super().load_checkpoint(path, load_optimizer=load_optimizer)
+        self._exported = -1  # same version number, other weights: gather again
+        if self._split:
+            self._export()
+
+    def _checkpoint_weights(self, path: str) -> dict[str, torch.Tensor]:
         config, loaded = load_hf_dir(path, dtype=parse_dtype(self.settings.dtype), device="cpu")
         if config.to_hf_dict() | {"torch_dtype": None, "dtype": None} != \
                 self.model_config.to_hf_dict() | {"torch_dtype": None, "dtype": None}:
             raise checkpoint.CheckpointError(f"checkpoint {path}: its config.json is not this model's")
-        state = checkpoint.read_state(path)
-        if load_optimizer and self.optimizer is not None:
-            checkpoint.load_optimizer(self, path, self._optimizer_file())
-        with torch.no_grad():
-            megatron_model.load_hf_state(self.model, loaded.state_dict(), self.model_config)
-            for p, m in zip(self.params, self.master or []):
-                m.copy_(p)
-        self.step, self.weights_version = int(state["step"]), int(state["weights_version"])
-        self._device_holds = (ACTOR, self.weights_version)
-        if self.store is not None:
-            self.store.invalidate(ACTOR)
-        self._exported = -1  # same version number, other weights: gather again
-        if self._split:
-            self._export()
+        return loaded.state_dict()
+
+    def _load_weights(self, source: dict[str, torch.Tensor]) -> None:
+        megatron_model.load_hf_state(self.model, source, self.model_config)

@@ -262,6 +262,25 @@ class TorchTrainer:
     def load_checkpoint(self, path: str, *, load_optimizer: bool) -> None:
         """Load weights (and, unless eval-only, optimizer state when asked) from a checkpoint."""
         self.use(ACTOR)
+        source = self._checkpoint_weights(path)
+        state = checkpoint.read_state(path)
+        if load_optimizer and self.optimizer is not None:  # eval-only: never opened, never read
+            checkpoint.load_optimizer(self, path, self._optimizer_file())
+        with torch.no_grad():
+            self._load_weights(source)
+            for p, m in zip(self.params, self.master or []):
+                m.copy_(p)
+        self.step, self.weights_version = int(state["step"]), int(state["weights_version"])
+        self._device_holds = (ACTOR, self.weights_version)
+        if self.store is not None:
+            self.store.invalidate(ACTOR)
+
+    def _optimizer_file(self) -> str:
+        """This rank's optimizer state file in a checkpoint folder."""
+        return checkpoint.OPTIMIZER_FILE
+
+    def _checkpoint_weights(self, path: str) -> dict[str, torch.Tensor]:
+        """A checkpoint's weights by name, checked against this model (CheckpointError otherwise)."""
         _, loaded = load_hf_dir(path, dtype=parse_dtype(self.settings.dtype), device=self.device)
         source = dict(named_weights(loaded))
         extra = sorted(set(source) - set(self.named))
@@ -274,18 +293,12 @@ class TorchTrainer:
                 raise checkpoint.CheckpointError(
                     f"checkpoint {path}: tensor {name!r} is {list(source[name].shape)}, the model has {list(target.shape)}"
                 )
-        state = checkpoint.read_state(path)
-        if load_optimizer and self.optimizer is not None:  # eval-only: never opened, never read
-            checkpoint.load_optimizer(self, path)
-        with torch.no_grad():
-            for name, target in self.named.items():
-                target.copy_(source[name])
-            for p, m in zip(self.params, self.master or []):
-                m.copy_(p)
-        self.step, self.weights_version = int(state["step"]), int(state["weights_version"])
-        self._device_holds = (ACTOR, self.weights_version)
-        if self.store is not None:
-            self.store.invalidate(ACTOR)
+        return source
+
+    def _load_weights(self, source: dict[str, torch.Tensor]) -> None:
+        """Copy checked checkpoint weights into the live model (under no_grad)."""
+        for name, target in self.named.items():
+            target.copy_(source[name])
 
     # ---- compute -----------------------------------------------------------------------------
     def _pack(self, samples: list[Sample]) -> PackedBatch:
