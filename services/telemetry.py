@@ -25,11 +25,13 @@ class _Quiet(WSGIRequestHandler):
         pass
 
 
-def serve(registry: CollectorRegistry, host: str, port: int):
-    """Serve `registry` at /metrics in a daemon thread; the HTTP server (`.server_port`, `.shutdown()`)."""
-    server = make_server(host or "127.0.0.1", port, make_wsgi_app(registry), handler_class=_Quiet)
-    threading.Thread(target=server.serve_forever, name="metrics", daemon=True).start()
-    return server
+def serve(server, registry: CollectorRegistry, address: str, port: int) -> None:
+    """Serve `registry` at http://<host of `address`>:`port`/metrics in a daemon thread, for as
+    long as the gRPC `server` runs; `server.metrics_port` says where."""
+    http = make_server(address.rpartition(":")[0] or "127.0.0.1", port, make_wsgi_app(registry), handler_class=_Quiet)
+    threading.Thread(target=http.serve_forever, name="metrics", daemon=True).start()
+    server.metrics_port = http.server_port
+    server.on_stop.append(http.shutdown)
 
 
 class NvmlMemory:

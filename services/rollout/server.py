@@ -135,8 +135,9 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
                 cuda_graphs=c.cuda_graphs if c.HasField("cuda_graphs") else True,
                 sglang=SglangSettings(
                     url=c.sglang.url, args=tuple(c.sglang.args), command=tuple(c.sglang.command),
-                    startup_timeout_s=c.sglang.startup_timeout_s or 600.0, memory_saver=c.sglang.memory_saver,
-                    request_timeout_s=c.sglang.request_timeout_s or 300.0,
+                    startup_timeout_s=c.sglang.startup_timeout_s or SglangSettings.startup_timeout_s,
+                    memory_saver=c.sglang.memory_saver,
+                    request_timeout_s=c.sglang.request_timeout_s or SglangSettings.request_timeout_s,
                 ),
             )
             devices.use(settings.device)
@@ -371,8 +372,6 @@ def build_server(address: str = "127.0.0.1:0", token: str | None = None, metrics
     server.on_stop.append(servicer.close)
     servicer.shutdown = server.shutdown
     if metrics_port is not None:
-        http = telemetry.serve(servicer.metrics.registry, address.rpartition(":")[0], metrics_port)
-        server.metrics_port = http.server_port
-        server.on_stop.append(http.shutdown)
+        telemetry.serve(server, servicer.metrics.registry, address, metrics_port)
     server.set_serving(True)
     return server

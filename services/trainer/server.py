@@ -406,8 +406,6 @@ def build_server(address: str = "127.0.0.1:0", token: str | None = None,
     server.on_stop.append(servicer.close)
     servicer.shutdown = server.shutdown
     if metrics_port is not None:
-        http = telemetry.serve(servicer.metrics.registry, address.rpartition(":")[0], metrics_port)
-        server.metrics_port = http.server_port
-        server.on_stop.append(http.shutdown)
+        telemetry.serve(server, servicer.metrics.registry, address, metrics_port)
     server.set_serving(True)
     return server
