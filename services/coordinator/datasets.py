@@ -244,7 +244,23 @@ def _parse_line(path: Path, line_no: int, raw: bytes, columns: Columns, index: i
     return to_example(row, columns, index, where)
 
 
-class _JsonlDataset(Sequence[Example]):
+class _Rows(Sequence[Example]):
+    """A dataset whose rows are converted one at a time (`_row`), by index or slice."""
+
+    @overload
+    def __getitem__(self, index: int) -> Example: ...
+    @overload
+    def __getitem__(self, index: slice) -> list[Example]: ...
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        return self._row(range(len(self))[index])  # IndexError past the end, negative indices allowed
+
+    def _row(self, index: int) -> Example:
+        raise NotImplementedError
+
+
+class _JsonlDataset(_Rows):
     """JSON lines indexed by byte offset: a row is read again (one seek, one line) when asked for."""
 
     def __init__(self, path: Path, columns: Columns, limit: int | None) -> None:
@@ -261,14 +277,7 @@ class _JsonlDataset(Sequence[Example]):
     def __len__(self) -> int:
         return len(self._offsets)
 
-    @overload
-    def __getitem__(self, index: int) -> Example: ...
-    @overload
-    def __getitem__(self, index: slice) -> list[Example]: ...
-    def __getitem__(self, index):
-        if isinstance(index, slice):
-            return [self[i] for i in range(*index.indices(len(self)))]
-        index = range(len(self))[index]  # IndexError past the end, negative indices allowed
+    def _row(self, index: int) -> Example:
         try:
             with self.path.open("rb") as f:
                 f.seek(int(self._offsets[index]))
@@ -404,7 +413,7 @@ def _parquet_to_mapped_table(path: Path, columns: Columns, limit: int | None):
     return table
 
 
-class _ArrowDataset(Sequence[Example]):
+class _ArrowDataset(_Rows):
     """Rows of an Arrow table (memory-mapped), checked once by streaming, converted on demand."""
 
     def __init__(self, path: Path, table: Any, columns: Columns, limit: int | None) -> None:
@@ -420,14 +429,7 @@ class _ArrowDataset(Sequence[Example]):
     def __len__(self) -> int:
         return self._table.num_rows
 
-    @overload
-    def __getitem__(self, index: int) -> Example: ...
-    @overload
-    def __getitem__(self, index: slice) -> list[Example]: ...
-    def __getitem__(self, index):
-        if isinstance(index, slice):
-            return [self[i] for i in range(*index.indices(len(self)))]
-        index = range(len(self))[index]
+    def _row(self, index: int) -> Example:
         (row,) = self._table.slice(index, 1).to_pylist()
         return to_example(row, self.columns, index, f"{self.path}: row {index}")
 
