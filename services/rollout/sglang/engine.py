@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import re
 import threading
 import time
@@ -30,6 +31,7 @@ from typing import Callable
 
 import torch
 
+from services.api import weights_pb2
 from services.models import load_tokenizer
 from services.models.checkpoint import checkpoint_step, load_config
 from services.models.decoder import DecoderLM, torch_dtype
@@ -70,8 +72,6 @@ class SglangEngine:
         self._lock = threading.RLock()  # generation holds it; an update holds it across all its buckets
         self.process: SglangProcess | None = None
         if s.url:
-            import os
-
             self.client = SglangClient(s.url, os.environ.get("RLFLEET_SGLANG_API_KEY") or None, s.request_timeout_s)
             if not self.client.healthy():
                 raise EngineUnavailable(f"sglang.url: no healthy SGLang at {s.url} (/health_generate)")
@@ -103,7 +103,7 @@ class SglangEngine:
     def capabilities(self):
         caps = capabilities.local(self.device)  # the host, and the GPU SGLang runs on (rollout device)
         del caps.planes[:]
-        caps.planes.append(capabilities.weights_pb2.WEIGHT_PLANE_BROADCAST)
+        caps.planes.append(weights_pb2.WEIGHT_PLANE_BROADCAST)
         del caps.broadcast_backends[:]
         caps.broadcast_backends.append("nccl" if self.device.type == "cuda" else "gloo")
         caps.packed_broadcast, caps.broadcast_ranks = True, self.tp_size
