@@ -146,7 +146,6 @@ def _error(call):
 
 def test_fixed_store_ports_are_the_ones_used(tiny_model_dir):
     """Ports a NetworkPolicy can name: rank 0's rendezvous store and the weight-sync store."""
-    from services.api import weights_pb2
     from services.trainer.server import build_server
     from services.weights.broadcast import free_port
 

@@ -47,12 +47,6 @@ def values(**overrides) -> dict:
     return out
 
 
-@pytest.fixture(scope="module")
-def chart():
-    with helm.Chart.load(m.CHART) as loaded:
-        yield loaded
-
-
 def render(chart, vals: dict) -> list[dict]:
     rendered = chart.render(vals, name=RELEASE, namespace=NAMESPACE)
     return [obj for path, text in sorted(rendered.items()) if not path.endswith("NOTES.txt") for obj in m.load_all(text)]

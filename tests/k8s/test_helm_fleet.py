@@ -30,12 +30,6 @@ SHARED = {"enabled": True, "existingClaim": "", "storageClass": "nfs", "accessMo
 DIGEST = "sha256:" + "ab" * 32
 
 
-@pytest.fixture(scope="module")
-def chart():
-    with helm.Chart.load(m.CHART) as loaded:
-        yield loaded
-
-
 def rendered(chart, **overrides) -> list[dict]:
     objects = render(chart, values(**overrides))
     m.validate(objects)

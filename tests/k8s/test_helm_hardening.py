@@ -14,7 +14,7 @@ import pytest
 
 from tests.k8s import constraints
 from tests.k8s import manifests as m
-from tests.k8s.test_helm_chart import BASE, JOB, NAMESPACE, RELEASE, render, values
+from tests.k8s.test_helm_chart import JOB, NAMESPACE, RELEASE, render, values
 
 helm = pytest.importorskip("helm_python")
 pytest.importorskip("kubernetes_validate")
@@ -24,12 +24,6 @@ pytestmark = pytest.mark.k8s
 MONITORING = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}
 CLIENTS = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "ci"}}}
 TLS = {"existingSecret": "rlfleet-tls", "clientAuth": True, "serverName": "rlfleet"}
-
-
-@pytest.fixture(scope="module")
-def chart():
-    with helm.Chart.load(m.CHART) as loaded:
-        yield loaded
 
 
 def rendered(chart, **overrides) -> list[dict]:

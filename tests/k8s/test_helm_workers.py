@@ -30,12 +30,6 @@ REVISION = "rlfleet.dev/revision"
 GPU_TOLERATION = {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
 
 
-@pytest.fixture(scope="module")
-def chart():
-    with helm.Chart.load(m.CHART) as loaded:
-        yield loaded
-
-
 def rendered(chart, revision: int = 1, **overrides) -> list[dict]:
     text = chart.render(values(**overrides), name=RELEASE, namespace=NAMESPACE, revision=revision,
                         is_upgrade=revision > 1)
