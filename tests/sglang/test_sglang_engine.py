@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import threading
 import sys
 import textwrap
 import time
@@ -79,12 +80,29 @@ def test_generate_and_a_packed_broadcast_sync_through_sglang(tiny_model_dir):
             trainer.train_step(batch)
         syncer = make_syncer(trainer, [sglang, reference], pool, timeout_s=60)
         assert syncer.planes == ["broadcast", "shm"]
+        # Generate keeps running while the buckets go in one by one: every answer is all version 0
+        # or all version 3, never a mix (the adapter holds generation out of a multi-bucket update).
+        during, syncing = [], threading.Event()
+        syncing.set()
+
+        def generate_throughout() -> None:
+            while syncing.is_set():
+                during.append(sglang.generate(prompts, greedy))
+
+        generating = threading.Thread(target=generate_throughout)
+        generating.start()
         result = syncer.sync({0, 1})
+        syncing.clear()
+        generating.join(60)
         assert result.ok == {0, 1}, result.failures
         after = sglang.generate(prompts, greedy)
         assert {c.weight_version for c in after} == {3}
         assert [c.output_ids for c in after] == [c.output_ids for c in reference.generate(prompts, greedy)]
         assert [c.output_ids for c in after] != [c.output_ids for c in before]
+        assert during
+        for answer in during:
+            (version,) = {c.weight_version for c in answer}
+            assert [c.output_ids for c in answer] == [c.output_ids for c in {0: before, 3: after}[version]]
 
         # On the wire: every request passed the wheel's types (the stand-in answers 400 otherwise),
         # and the sync was one flattened bucket per manifest bucket inside an update session.
