@@ -13,9 +13,11 @@ class LossKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     LOSS_KIND_UNSPECIFIED: _ClassVar[LossKind]
     LOSS_KIND_POLICY: _ClassVar[LossKind]
     LOSS_KIND_SFT: _ClassVar[LossKind]
+    LOSS_KIND_VALUE: _ClassVar[LossKind]
 LOSS_KIND_UNSPECIFIED: LossKind
 LOSS_KIND_POLICY: LossKind
 LOSS_KIND_SFT: LossKind
+LOSS_KIND_VALUE: LossKind
 
 class OptimizerConfig(_message.Message):
     __slots__ = ("lr", "weight_decay", "beta1", "beta2", "eps", "grad_clip")
@@ -46,23 +48,25 @@ class SchedulerConfig(_message.Message):
     def __init__(self, kind: _Optional[str] = ..., warmup_steps: _Optional[int] = ..., decay_steps: _Optional[int] = ..., min_lr_ratio: _Optional[float] = ...) -> None: ...
 
 class LossConfig(_message.Message):
-    __slots__ = ("clip_eps_low", "clip_eps_high", "kl_coef", "kl_estimator", "entropy_coef", "loss_agg")
+    __slots__ = ("clip_eps_low", "clip_eps_high", "kl_coef", "kl_estimator", "entropy_coef", "loss_agg", "value_clip")
     CLIP_EPS_LOW_FIELD_NUMBER: _ClassVar[int]
     CLIP_EPS_HIGH_FIELD_NUMBER: _ClassVar[int]
     KL_COEF_FIELD_NUMBER: _ClassVar[int]
     KL_ESTIMATOR_FIELD_NUMBER: _ClassVar[int]
     ENTROPY_COEF_FIELD_NUMBER: _ClassVar[int]
     LOSS_AGG_FIELD_NUMBER: _ClassVar[int]
+    VALUE_CLIP_FIELD_NUMBER: _ClassVar[int]
     clip_eps_low: float
     clip_eps_high: float
     kl_coef: float
     kl_estimator: str
     entropy_coef: float
     loss_agg: str
-    def __init__(self, clip_eps_low: _Optional[float] = ..., clip_eps_high: _Optional[float] = ..., kl_coef: _Optional[float] = ..., kl_estimator: _Optional[str] = ..., entropy_coef: _Optional[float] = ..., loss_agg: _Optional[str] = ...) -> None: ...
+    value_clip: float
+    def __init__(self, clip_eps_low: _Optional[float] = ..., clip_eps_high: _Optional[float] = ..., kl_coef: _Optional[float] = ..., kl_estimator: _Optional[str] = ..., entropy_coef: _Optional[float] = ..., loss_agg: _Optional[str] = ..., value_clip: _Optional[float] = ...) -> None: ...
 
 class TrainerConfig(_message.Message):
-    __slots__ = ("model_path", "backend", "device", "dtype", "seed", "optimizer", "scheduler", "loss", "tags", "eval_only", "offload", "colocate", "micro_batch_size", "bucket_bytes", "master_weights", "ranks", "tensor_parallel", "pipeline_parallel")
+    __slots__ = ("model_path", "backend", "device", "dtype", "seed", "optimizer", "scheduler", "loss", "tags", "eval_only", "offload", "colocate", "micro_batch_size", "bucket_bytes", "master_weights", "ranks", "tensor_parallel", "pipeline_parallel", "role")
     MODEL_PATH_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
@@ -81,6 +85,7 @@ class TrainerConfig(_message.Message):
     RANKS_FIELD_NUMBER: _ClassVar[int]
     TENSOR_PARALLEL_FIELD_NUMBER: _ClassVar[int]
     PIPELINE_PARALLEL_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
     model_path: str
     backend: str
     device: str
@@ -99,7 +104,8 @@ class TrainerConfig(_message.Message):
     ranks: RankGroup
     tensor_parallel: int
     pipeline_parallel: int
-    def __init__(self, model_path: _Optional[str] = ..., backend: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., seed: _Optional[int] = ..., optimizer: _Optional[_Union[OptimizerConfig, _Mapping]] = ..., scheduler: _Optional[_Union[SchedulerConfig, _Mapping]] = ..., loss: _Optional[_Union[LossConfig, _Mapping]] = ..., tags: _Optional[_Iterable[str]] = ..., eval_only: _Optional[bool] = ..., offload: _Optional[bool] = ..., colocate: _Optional[bool] = ..., micro_batch_size: _Optional[int] = ..., bucket_bytes: _Optional[int] = ..., master_weights: _Optional[str] = ..., ranks: _Optional[_Union[RankGroup, _Mapping]] = ..., tensor_parallel: _Optional[int] = ..., pipeline_parallel: _Optional[int] = ...) -> None: ...
+    role: str
+    def __init__(self, model_path: _Optional[str] = ..., backend: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., seed: _Optional[int] = ..., optimizer: _Optional[_Union[OptimizerConfig, _Mapping]] = ..., scheduler: _Optional[_Union[SchedulerConfig, _Mapping]] = ..., loss: _Optional[_Union[LossConfig, _Mapping]] = ..., tags: _Optional[_Iterable[str]] = ..., eval_only: _Optional[bool] = ..., offload: _Optional[bool] = ..., colocate: _Optional[bool] = ..., micro_batch_size: _Optional[int] = ..., bucket_bytes: _Optional[int] = ..., master_weights: _Optional[str] = ..., ranks: _Optional[_Union[RankGroup, _Mapping]] = ..., tensor_parallel: _Optional[int] = ..., pipeline_parallel: _Optional[int] = ..., role: _Optional[str] = ...) -> None: ...
 
 class RankGroup(_message.Message):
     __slots__ = ("rank", "world_size", "address", "timeout_s")
@@ -182,7 +188,7 @@ class GetTrainerStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class TrainerStatus(_message.Message):
-    __slots__ = ("lifecycle", "has_optimizer", "has_scheduler", "configured", "step", "num_parameters", "checkpoint_step", "rank", "world_size", "backend")
+    __slots__ = ("lifecycle", "has_optimizer", "has_scheduler", "configured", "step", "num_parameters", "checkpoint_step", "rank", "world_size", "backend", "role", "has_value_head")
     LIFECYCLE_FIELD_NUMBER: _ClassVar[int]
     HAS_OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
     HAS_SCHEDULER_FIELD_NUMBER: _ClassVar[int]
@@ -193,6 +199,8 @@ class TrainerStatus(_message.Message):
     RANK_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    HAS_VALUE_HEAD_FIELD_NUMBER: _ClassVar[int]
     lifecycle: LifecycleStatus
     has_optimizer: bool
     has_scheduler: bool
@@ -203,10 +211,12 @@ class TrainerStatus(_message.Message):
     rank: int
     world_size: int
     backend: str
-    def __init__(self, lifecycle: _Optional[_Union[LifecycleStatus, _Mapping]] = ..., has_optimizer: _Optional[bool] = ..., has_scheduler: _Optional[bool] = ..., configured: _Optional[bool] = ..., step: _Optional[int] = ..., num_parameters: _Optional[int] = ..., checkpoint_step: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., backend: _Optional[str] = ...) -> None: ...
+    role: str
+    has_value_head: bool
+    def __init__(self, lifecycle: _Optional[_Union[LifecycleStatus, _Mapping]] = ..., has_optimizer: _Optional[bool] = ..., has_scheduler: _Optional[bool] = ..., configured: _Optional[bool] = ..., step: _Optional[int] = ..., num_parameters: _Optional[int] = ..., checkpoint_step: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., backend: _Optional[str] = ..., role: _Optional[str] = ..., has_value_head: _Optional[bool] = ...) -> None: ...
 
 class Sample(_message.Message):
-    __slots__ = ("prompt_ids", "response_ids", "loss_mask", "advantage", "advantages", "old_logprobs", "ref_logprobs")
+    __slots__ = ("prompt_ids", "response_ids", "loss_mask", "advantage", "advantages", "old_logprobs", "ref_logprobs", "returns", "old_values")
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     RESPONSE_IDS_FIELD_NUMBER: _ClassVar[int]
     LOSS_MASK_FIELD_NUMBER: _ClassVar[int]
@@ -214,6 +224,8 @@ class Sample(_message.Message):
     ADVANTAGES_FIELD_NUMBER: _ClassVar[int]
     OLD_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     REF_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    RETURNS_FIELD_NUMBER: _ClassVar[int]
+    OLD_VALUES_FIELD_NUMBER: _ClassVar[int]
     prompt_ids: _containers.RepeatedScalarFieldContainer[int]
     response_ids: _containers.RepeatedScalarFieldContainer[int]
     loss_mask: _containers.RepeatedScalarFieldContainer[float]
@@ -221,7 +233,9 @@ class Sample(_message.Message):
     advantages: _containers.RepeatedScalarFieldContainer[float]
     old_logprobs: _containers.RepeatedScalarFieldContainer[float]
     ref_logprobs: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, prompt_ids: _Optional[_Iterable[int]] = ..., response_ids: _Optional[_Iterable[int]] = ..., loss_mask: _Optional[_Iterable[float]] = ..., advantage: _Optional[float] = ..., advantages: _Optional[_Iterable[float]] = ..., old_logprobs: _Optional[_Iterable[float]] = ..., ref_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
+    returns: _containers.RepeatedScalarFieldContainer[float]
+    old_values: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, prompt_ids: _Optional[_Iterable[int]] = ..., response_ids: _Optional[_Iterable[int]] = ..., loss_mask: _Optional[_Iterable[float]] = ..., advantage: _Optional[float] = ..., advantages: _Optional[_Iterable[float]] = ..., old_logprobs: _Optional[_Iterable[float]] = ..., ref_logprobs: _Optional[_Iterable[float]] = ..., returns: _Optional[_Iterable[float]] = ..., old_values: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class Batch(_message.Message):
     __slots__ = ("samples",)
@@ -250,6 +264,24 @@ class ComputeLogProbsResponse(_message.Message):
     results: _containers.RepeatedCompositeFieldContainer[TokenLogProbs]
     entropy: float
     def __init__(self, results: _Optional[_Iterable[_Union[TokenLogProbs, _Mapping]]] = ..., entropy: _Optional[float] = ...) -> None: ...
+
+class ComputeValuesRequest(_message.Message):
+    __slots__ = ("batch",)
+    BATCH_FIELD_NUMBER: _ClassVar[int]
+    batch: Batch
+    def __init__(self, batch: _Optional[_Union[Batch, _Mapping]] = ...) -> None: ...
+
+class TokenValues(_message.Message):
+    __slots__ = ("values",)
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    values: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, values: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class ComputeValuesResponse(_message.Message):
+    __slots__ = ("results",)
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[TokenValues]
+    def __init__(self, results: _Optional[_Iterable[_Union[TokenValues, _Mapping]]] = ...) -> None: ...
 
 class TrainStepRequest(_message.Message):
     __slots__ = ("batch", "loss", "request_id", "lr")

@@ -60,6 +60,11 @@ class TrainerStub:
                 request_serializer=rlfleet_dot_v1_dot_trainer__pb2.ComputeLogProbsRequest.SerializeToString,
                 response_deserializer=rlfleet_dot_v1_dot_trainer__pb2.ComputeLogProbsResponse.FromString,
                 _registered_method=True)
+        self.ComputeValues = channel.unary_unary(
+                '/rlfleet.v1.Trainer/ComputeValues',
+                request_serializer=rlfleet_dot_v1_dot_trainer__pb2.ComputeValuesRequest.SerializeToString,
+                response_deserializer=rlfleet_dot_v1_dot_trainer__pb2.ComputeValuesResponse.FromString,
+                _registered_method=True)
         self.TrainStep = channel.unary_unary(
                 '/rlfleet.v1.Trainer/TrainStep',
                 request_serializer=rlfleet_dot_v1_dot_trainer__pb2.TrainStepRequest.SerializeToString,
@@ -146,6 +151,13 @@ class TrainerServicer:
 
     def ComputeLogProbs(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ComputeValues(self, request, context):
+        """critics only
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -245,6 +257,11 @@ def add_TrainerServicer_to_server(servicer, server):
                     servicer.ComputeLogProbs,
                     request_deserializer=rlfleet_dot_v1_dot_trainer__pb2.ComputeLogProbsRequest.FromString,
                     response_serializer=rlfleet_dot_v1_dot_trainer__pb2.ComputeLogProbsResponse.SerializeToString,
+            ),
+            'ComputeValues': grpc.unary_unary_rpc_method_handler(
+                    servicer.ComputeValues,
+                    request_deserializer=rlfleet_dot_v1_dot_trainer__pb2.ComputeValuesRequest.FromString,
+                    response_serializer=rlfleet_dot_v1_dot_trainer__pb2.ComputeValuesResponse.SerializeToString,
             ),
             'TrainStep': grpc.unary_unary_rpc_method_handler(
                     servicer.TrainStep,
@@ -437,6 +454,33 @@ class Trainer:
             '/rlfleet.v1.Trainer/ComputeLogProbs',
             rlfleet_dot_v1_dot_trainer__pb2.ComputeLogProbsRequest.SerializeToString,
             rlfleet_dot_v1_dot_trainer__pb2.ComputeLogProbsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ComputeValues(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rlfleet.v1.Trainer/ComputeValues',
+            rlfleet_dot_v1_dot_trainer__pb2.ComputeValuesRequest.SerializeToString,
+            rlfleet_dot_v1_dot_trainer__pb2.ComputeValuesResponse.FromString,
             options,
             channel_credentials,
             insecure,

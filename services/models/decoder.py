@@ -251,6 +251,20 @@ class DecoderLM(nn.Module):
         appended after the cached ones and the cache advances by T. Padding may sit anywhere
         (left padding is the intended use); outputs at padding positions are meaningless.
         """
+        x = self.hidden_states(input_ids, attention_mask, position_ids, kv_cache, logits_to_keep=logits_to_keep)
+        return F.linear(x, self.output_weight)  # [B, T, V]
+
+    def hidden_states(
+        self,
+        input_ids: torch.Tensor,  # LongTensor [B, T]
+        attention_mask: torch.Tensor | None = None,  # [B, T], 1 = real token, 0 = padding
+        position_ids: torch.Tensor | None = None,  # LongTensor [B, T]
+        kv_cache: KVCache | None = None,
+        *,
+        logits_to_keep: int = 0,
+    ) -> torch.Tensor:
+        """The final-norm hidden states [B, T, hidden] that `forward` projects to logits (a
+        value head reads them instead); arguments as in `forward`."""
         batch, seq = input_ids.shape
         past = 0 if kv_cache is None else kv_cache.pos
         if kv_cache is not None and past + seq > kv_cache.max_len:
@@ -278,8 +292,7 @@ class DecoderLM(nn.Module):
             kv_cache.pos += seq
         if logits_to_keep > 0:
             x = x[:, -logits_to_keep:]
-        x = self.model.norm(x)
-        return F.linear(x, self.output_weight)  # [B, T, V]
+        return self.model.norm(x)  # [B, T, hidden]
 
 
 def _attention_mask(key_mask: torch.Tensor, past: int, seq: int) -> torch.Tensor | None:

@@ -74,6 +74,7 @@ class TrainerBackend(Protocol):
     def sleep(self) -> LifecycleState: ...
     def wake(self) -> LifecycleState: ...
     def compute_logprobs(self, tag: str, samples: list[Sample]) -> tuple[list[list[float]], float]: ...
+    def compute_values(self, samples: list[Sample]) -> list[list[float]]: ...  # critics only
     def train_step(self, samples: list[Sample], *, sft: bool = False, lr: float | None = None) -> StepResult: ...
     def weights_for_sync(self) -> SyncWeights | None: ...
     def save_checkpoint(self, path: str, *, include_optimizer: bool) -> None: ...
@@ -87,9 +88,16 @@ BACKENDS = {
 }
 
 
+# A critic (PPO's value model) is its own implementation of the same interface.
+CRITICS = {
+    "torch": ("services.trainer.critic", "TorchCritic"),
+}
+
+
 def build_backend(settings: TrainerSettings) -> TrainerBackend:
     """The backend `settings.backend` names, built for this rank (the rank group is already formed)."""
-    module, name = BACKENDS[settings.backend]  # settings validated the name
+    registry = CRITICS if settings.role == "critic" else BACKENDS
+    module, name = registry[settings.backend]  # settings validated the name (and that a critic runs on torch)
     try:
         cls = getattr(importlib.import_module(module), name)
     except ImportError as e:

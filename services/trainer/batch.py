@@ -21,6 +21,8 @@ class Sample:
     advantages: list[float] = field(default_factory=list)    # per response token
     old_logprobs: list[float] = field(default_factory=list)  # empty = current policy, detached
     ref_logprobs: list[float] = field(default_factory=list)
+    returns: list[float] = field(default_factory=list)       # value loss: targets per response token
+    old_values: list[float] = field(default_factory=list)    # value loss: the values behind `returns`
 
 
 @dataclass(frozen=True)
@@ -33,6 +35,8 @@ class PackedBatch:
     old_logprobs: torch.Tensor | None  # [B, T-1]
     ref_logprobs: torch.Tensor | None  # [B, T-1]
     num_response_tokens: list[int]
+    returns: torch.Tensor | None = None     # [B, T-1]
+    old_values: torch.Tensor | None = None  # [B, T-1]
 
     def response_values(self, values: torch.Tensor) -> list[list[float]]:
         """Per-sample lists of `values` [B, T-1] at the response positions, in order."""
@@ -54,7 +58,7 @@ def _check_sample(index: int, sample: Sample) -> None:
         raise ValueError(f"batch.samples[{index}].prompt_ids: empty")
     if n == 0:
         raise ValueError(f"batch.samples[{index}].response_ids: empty")
-    for name in ("loss_mask", "advantages", "old_logprobs", "ref_logprobs"):
+    for name in ("loss_mask", "advantages", "old_logprobs", "ref_logprobs", "returns", "old_values"):
         values = getattr(sample, name)
         if values and len(values) != n:
             raise ValueError(
@@ -85,6 +89,8 @@ def pack(samples: list[Sample], *, pad_id: int, vocab_size: int, device: torch.d
     has_ref = all(s.ref_logprobs for s in samples)
     old = torch.zeros((b, max_len - 1)) if has_old else None
     ref = torch.zeros((b, max_len - 1)) if has_ref else None
+    returns = torch.zeros((b, max_len - 1)) if all(s.returns for s in samples) else None
+    old_values = torch.zeros((b, max_len - 1)) if all(s.old_values for s in samples) else None
     for row, s in enumerate(samples):
         p, n = len(s.prompt_ids), len(s.response_ids)
         input_ids[row, : p + n] = torch.tensor(s.prompt_ids + s.response_ids)
@@ -97,6 +103,10 @@ def pack(samples: list[Sample], *, pad_id: int, vocab_size: int, device: torch.d
             old[row, span] = torch.tensor(s.old_logprobs)
         if ref is not None:
             ref[row, span] = torch.tensor(s.ref_logprobs)
+        if returns is not None:
+            returns[row, span] = torch.tensor(s.returns)
+        if old_values is not None:
+            old_values[row, span] = torch.tensor(s.old_values)
     move = lambda t: None if t is None else t.to(device)  # noqa: E731
     return PackedBatch(
         input_ids=move(input_ids),
@@ -107,6 +117,8 @@ def pack(samples: list[Sample], *, pad_id: int, vocab_size: int, device: torch.d
         old_logprobs=move(old),
         ref_logprobs=move(ref),
         num_response_tokens=[len(s.response_ids) for s in samples],
+        returns=move(returns),
+        old_values=move(old_values),
     )
 
 

@@ -120,6 +120,39 @@ def policy_loss(
     return loss, metrics
 
 
+def value_loss(
+    values: torch.Tensor,
+    old_values: torch.Tensor,
+    returns: torch.Tensor,
+    mask: torch.Tensor,
+    value_clip: float,
+    agg: str = "token_mean",
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Clipped value loss (PPO's critic): 0.5 * max((V - R)^2, (clip(V, V_old +- c) - R)^2).
+
+    `value_clip` 0 leaves the values unclipped (plain 0.5 * (V - R)^2). Returns the aggregated
+    scalar and detached metrics over counted tokens: value_clip_frac (share of tokens where the
+    clipped term is the larger one) and values_mean.
+    """
+    _same_shape(old_values, values.shape, "old_values", "values")
+    _same_shape(returns, values.shape, "returns", "values")
+    unclipped = (values - returns).square()
+    if value_clip > 0:
+        clipped_values = old_values + (values - old_values).clamp(-value_clip, value_clip)
+        clipped = (clipped_values - returns).square()
+        loss_mat = 0.5 * torch.maximum(unclipped, clipped)
+    else:
+        clipped = unclipped
+        loss_mat = 0.5 * unclipped
+    loss = aggregate(loss_mat, mask, agg)
+    with torch.no_grad():
+        metrics = {
+            "value_clip_frac": _masked_mean((clipped > unclipped).to(values.dtype), mask),
+            "values_mean": _masked_mean(values, mask),
+        }
+    return loss, metrics
+
+
 def sft_loss(logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor, agg: str = "token_mean") -> torch.Tensor:
     """Token cross-entropy of the targets under logits at response positions, aggregated."""
     return aggregate(-gather_logprobs(logits, targets), mask, agg)

@@ -64,6 +64,7 @@ def settings_from_proto(cfg: trainer_pb2.TrainerConfig) -> TrainerSettings:
             kl_estimator=loss.kl_estimator or defaults.loss.kl_estimator,
             entropy_coef=loss.entropy_coef,
             loss_agg=loss.loss_agg or defaults.loss.loss_agg,
+            value_clip=loss.value_clip if loss.HasField("value_clip") else defaults.loss.value_clip,
         ),
         tags=tuple(cfg.tags),
         eval_only=cfg.eval_only,
@@ -74,6 +75,7 @@ def settings_from_proto(cfg: trainer_pb2.TrainerConfig) -> TrainerSettings:
         master_weights=cfg.master_weights,
         tensor_parallel=cfg.tensor_parallel or 1,
         pipeline_parallel=cfg.pipeline_parallel or 1,
+        role=cfg.role or defaults.role,
     )
 
 
@@ -89,6 +91,8 @@ def samples_from_proto(batch: trainer_pb2.Batch) -> list[Sample]:
                 advantages=advantages,
                 old_logprobs=list(s.old_logprobs),
                 ref_logprobs=list(s.ref_logprobs),
+                returns=list(s.returns),
+                old_values=list(s.old_values),
             )
         )
     return samples
@@ -150,6 +154,8 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
             rank=ranks.world()[0],
             world_size=ranks.world()[1],
             backend=t.settings.backend,
+            role=t.settings.role,
+            has_value_head=t.settings.role == "critic",
         )
 
     def Shutdown(self, request, context):
@@ -246,9 +252,23 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
                 results=[trainer_pb2.TokenLogProbs(values=v) for v in values], entropy=entropy
             )
 
+    def ComputeValues(self, request, context):
+        with self._mutating(), rpc.abort_on(context, _ERRORS):
+            trainer = self._require(context)
+            if trainer.settings.role != "critic":
+                raise TrainerStateError("ComputeValues: this trainer is an actor; values come from a critic "
+                                        "(a trainer configured with role: critic)")
+            values = trainer.compute_values(samples_from_proto(request.batch))
+            return trainer_pb2.ComputeValuesResponse(results=[trainer_pb2.TokenValues(values=v) for v in values])
+
     def TrainStep(self, request, context):
         with self._mutating(), rpc.abort_on(context, _ERRORS):
             trainer = self._require(context)
+            critic = trainer.settings.role == "critic"
+            if critic != (request.loss == trainer_pb2.LOSS_KIND_VALUE):
+                raise TrainerStateError(
+                    "TrainStep: a critic trains only with loss LOSS_KIND_VALUE" if critic else
+                    "TrainStep: LOSS_KIND_VALUE trains a critic; this trainer is an actor")
             samples = samples_from_proto(request.batch)
             with self.metrics.step_seconds.time():
                 result = trainer.train_step(

@@ -17,6 +17,7 @@ LOSS_AGGREGATIONS = ("token_mean", "seq_mean_token_sum", "seq_mean_token_mean")
 SCHEDULER_KINDS = ("constant", "linear", "cosine")
 TAGS = ("ref", "old_actor", "teacher")
 BACKENDS = ("torch", "megatron")
+ROLES = ("actor", "critic")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -58,8 +59,10 @@ class LossSettings:
     kl_estimator: str = "low_var_kl"
     entropy_coef: float = 0.0
     loss_agg: str = "token_mean"
+    value_clip: float = 0.2  # critic: new values stay within old_values +- value_clip (0: unclipped)
 
     def __post_init__(self) -> None:
+        _finite("loss.value_clip", self.value_clip, low=0.0)
         _finite("loss.clip_eps_low", self.clip_eps_low, low=0.0)
         _finite("loss.clip_eps_high", self.clip_eps_high, low=0.0)
         _finite("loss.kl_coef", self.kl_coef, low=0.0)
@@ -97,10 +100,23 @@ class TrainerSettings:
     master_weights: str = ""
     tensor_parallel: int = 1    # megatron: ranks that split each layer
     pipeline_parallel: int = 1  # megatron: ranks that split the layers
+    role: str = "actor"         # "critic": a value model (the policy's architecture with a scalar head)
 
     def __post_init__(self) -> None:
         if not self.model_path:
             raise ValueError("model_path: required")
+        if self.role not in ROLES:
+            raise ValueError(f"role: expected one of {', '.join(map(repr, ROLES))}, got {self.role!r}")
+        if self.role == "critic":
+            if self.backend != "torch":
+                raise ValueError(f"role: a critic runs on the torch backend only for now, not {self.backend!r} "
+                                 "(give the critic backend: torch; the actor may still use megatron)")
+            if self.eval_only:
+                raise ValueError("role: an eval-only job builds no critic")
+            if self.tags:
+                raise ValueError(f"tags: a critic keeps no extra copies, got {list(self.tags)}")
+            if self.master_weights:
+                raise ValueError("master_weights: not supported for a critic yet")
         if self.backend not in BACKENDS:
             raise ValueError(f"backend: unknown backend {self.backend!r} (available: {', '.join(map(repr, BACKENDS))})")
         for name in ("tensor_parallel", "pipeline_parallel"):

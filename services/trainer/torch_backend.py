@@ -70,7 +70,7 @@ class TorchTrainer:
         if self.dp.size > 1 and "old_actor" in settings.tags:
             raise ValueError("tags: old_actor is captured when rank 0 serves a weight sync, which the other "
                              "data-parallel ranks never see; it is not supported with several ranks yet")
-        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.params = self._trainable()
         # Weights live in the sync bucket layout: a bucket of live weights is a view, never packed.
         self.layout = plan_buckets(list(self.named.items()), settings.bucket_bytes)
         self.bucket_views = memory.lay_out(
@@ -120,6 +120,10 @@ class TorchTrainer:
         )
         self.named = dict(named_weights(self.model))
         return DataParallel(torch.distributed.group.WORLD if world()[1] > 1 else None, self.device)
+
+    def _trainable(self) -> list[torch.Tensor]:
+        """The parameters the optimizer steps, offload moves and gradients reach."""
+        return [p for p in self.model.parameters() if p.requires_grad]
 
     @property
     def num_parameters(self) -> int:
