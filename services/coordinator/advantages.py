@@ -19,6 +19,7 @@ no groups, so there only an all-equal batch gets 0.
 
 from __future__ import annotations
 
+import math
 from typing import Callable, Sequence
 
 import torch
@@ -69,7 +70,7 @@ ESTIMATORS: dict[str, Callable[..., torch.Tensor]] = {
 def compute_advantages(kind: str, rewards: torch.Tensor | Sequence[Sequence[float]], **opts: float) -> torch.Tensor:
     """Dispatch to the estimator named `kind`; `normalize_std` is ignored by all but grpo."""
     if kind == "ppo":
-        raise ValueError("algorithm.advantage: 'ppo' needs a critic (GAE), which is not supported yet")
+        raise ValueError("algorithm.advantage: 'ppo' advantages are per token, from a critic's values: use gae()")
     if kind not in ESTIMATORS:
         raise ValueError(f"algorithm.advantage: unknown estimator {kind!r}; expected one of {', '.join(ESTIMATORS)}")
     if kind != "grpo":
@@ -101,3 +102,55 @@ def _whiten(values: torch.Tensor, eps: float) -> torch.Tensor:
 def _zero_flat_groups(advantages: torch.Tensor, rewards: torch.Tensor) -> torch.Tensor:
     flat = (rewards == rewards[:, :1]).all(dim=1, keepdim=True)  # [P, 1]
     return torch.where(flat, torch.zeros_like(advantages), advantages)
+
+
+# ---- PPO: generalised advantage estimation over per-token rewards and a critic's values -------------
+def gae(rewards: Sequence[float], values: Sequence[float], gamma: float, lam: float) -> tuple[list[float], list[float]]:
+    """GAE for one response of T tokens: (advantages, returns), each T long.
+
+    `rewards[t]` is the reward for emitting token t (the outcome reward on the last token, plus
+    any per-token KL penalty) and `values[t]` the critic's V of the state before token t. The
+    episode ends after the last token, so V after it is 0:
+
+        delta_t = r_t + gamma * V_{t+1} - V_t
+        A_t     = delta_t + gamma * lam * A_{t+1}
+        R_t     = A_t + V_t          (the critic's regression target)
+
+    With gamma = lam = 1 and a zero critic, every A_t is the sum of the rewards from t on.
+    """
+    if len(rewards) != len(values):
+        raise ValueError(f"gae: {len(rewards)} rewards for {len(values)} values")
+    if not all(math.isfinite(x) for x in (*rewards, *values)):
+        raise ValueError("gae: rewards or values contain NaN or infinity")
+    advantages = [0.0] * len(rewards)
+    running, next_value = 0.0, 0.0
+    for t in range(len(rewards) - 1, -1, -1):
+        delta = rewards[t] + gamma * next_value - values[t]
+        running = delta + gamma * lam * running
+        advantages[t] = running
+        next_value = values[t]
+    return advantages, [a + v for a, v in zip(advantages, values)]
+
+
+def whiten_tokens(advantages: list[list[float]], eps: float = WHITEN_EPS) -> list[list[float]]:
+    """Shift and scale every token's advantage of a step to mean 0 and (unbiased) std 1, over all
+    tokens together (verl's masked_whiten); one token, or all equal, become 0."""
+    flat = torch.tensor([a for row in advantages for a in row], dtype=torch.float64)
+    if flat.numel() < 2 or bool((flat == flat[0]).all()):
+        return [[0.0] * len(row) for row in advantages]
+    whitened = ((flat - flat.mean()) / (flat.std() + eps)).tolist()
+    out, start = [], 0
+    for row in advantages:
+        out.append(whitened[start : start + len(row)])
+        start += len(row)
+    return out
+
+
+def explained_variance(values: Sequence[float], returns: Sequence[float]) -> float:
+    """1 - Var(returns - values) / Var(returns) over tokens: 1 is a perfect critic, 0 one no better
+    than a constant, below 0 worse; NaN when the returns do not vary."""
+    v = torch.tensor(list(values), dtype=torch.float64)
+    r = torch.tensor(list(returns), dtype=torch.float64)
+    if r.numel() < 2 or float(r.var()) == 0.0:
+        return float("nan")
+    return float(1.0 - (r - v).var() / r.var())

@@ -290,7 +290,8 @@ class AlgorithmConfig:
     """The RL objective: advantage estimator and loss terms.
 
     Attributes:
-        advantage: grpo, dr_grpo, reinforce_pp, reinforce_pp_baseline or ppo (needs a critic; eval-only jobs only for now).
+        advantage: grpo, dr_grpo, reinforce_pp, reinforce_pp_baseline or ppo (GAE over a learned value
+            function: the job runs critics, see `critic`).
         normalize_std: divide GRPO advantages by the group's standard deviation (grpo only).
         kl_coef: weight of the KL penalty against the reference model; > 0 loads a ref copy.
         kl_estimator: k1, k2, k3 or low_var_kl (k3 clamped to [-10, 10]).
@@ -300,6 +301,9 @@ class AlgorithmConfig:
         clip_eps_high: PPO ratio clip above 1 (ratio <= 1 + clip_eps_high).
         entropy_coef: weight of the entropy bonus.
         loss_agg: token_mean, seq_mean_token_sum or seq_mean_token_mean.
+        gamma: ppo: discount per token in GAE, in [0, 1].
+        lam: ppo: GAE's lambda (bias-variance trade-off of the advantage), in [0, 1].
+        whiten_advantages: ppo: scale the token advantages of each step to mean 0, std 1.
     """
 
     advantage: AdvantageKind = "grpo"
@@ -311,9 +315,14 @@ class AlgorithmConfig:
     clip_eps_high: float = 0.2
     entropy_coef: float = 0.0
     loss_agg: LossAgg = "token_mean"
+    gamma: float = 1.0
+    lam: float = 0.95
+    whiten_advantages: bool = True
 
     def __post_init__(self) -> None:
         _check(self.kl_coef >= 0, "kl_coef", f"must be >= 0, got {self.kl_coef}")
+        _check(0 <= self.gamma <= 1, "gamma", f"must be in [0, 1], got {self.gamma}")
+        _check(0 <= self.lam <= 1, "lam", f"must be in [0, 1], got {self.lam}")
         # 1 - clip_eps_low <= 0 would clip the ratio to a non-positive value: no lower clip at all.
         _check(0 <= self.clip_eps_low < 1, "clip_eps_low", f"must be in [0, 1), got {self.clip_eps_low}")
         _check(self.clip_eps_high >= 0, "clip_eps_high", f"must be >= 0, got {self.clip_eps_high}")
@@ -426,6 +435,46 @@ class TrainerConfig:
                f"{self.num_trainers} ranks cannot hold tensor_parallel x pipeline_parallel = {split} model shards")
         _check(self.micro_batch_size >= 1, "micro_batch_size", f"must be >= 1, got {self.micro_batch_size}")
         _check(len(set(self.tags)) == len(self.tags), "tags", f"must not repeat a tag, got {list(self.tags)}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class CriticConfig:
+    """PPO's value model: trainer processes configured as critics (only `advantage: ppo` runs them,
+    and an eval-only job never does).
+
+    Attributes:
+        model: the critic's starting point: null = the policy's `model` (its backbone, and a value
+            head at zero), or a critic checkpoint folder (a policy folder plus value_head.safetensors).
+        num_critics: critic ranks (one process each), all training one value model (data parallel).
+        device: null = trainer.device.
+        dtype: null = trainer.dtype.
+        micro_batch_size: null = trainer.micro_batch_size.
+        optimizer: the critic's own AdamW settings.
+        scheduler: the critic's own learning-rate schedule.
+        value_clip: new values stay within the old values +- value_clip in the loss; 0 = no clipping.
+        warmup_steps: the first RL steps train the critic alone; the policy starts moving after them.
+        offload: null = trainer.offload (an offloaded critic sleeps whenever it is not computing).
+    """
+
+    model: Path | None = None
+    num_critics: int = 1
+    device: str | None = None
+    dtype: Literal["float32", "bfloat16", "float16"] | None = None
+    micro_batch_size: int | None = None
+    optimizer: OptimizerConfig = field(default_factory=lambda: OptimizerConfig(lr=1.0e-5))
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    value_clip: float = 0.2
+    warmup_steps: int = 0
+    offload: bool | None = None
+
+    def __post_init__(self) -> None:
+        _check(self.num_critics >= 1, "num_critics", f"must be >= 1, got {self.num_critics}")
+        _check(self.device is None or bool(_DEVICE_RE.fullmatch(self.device)), "device",
+               f"expected cpu, cuda or cuda:N, got {self.device!r}")
+        _check(self.micro_batch_size is None or self.micro_batch_size >= 1, "micro_batch_size",
+               f"must be >= 1, got {self.micro_batch_size}")
+        _check(self.value_clip >= 0, "value_clip", f"must be >= 0 (0 = no clipping), got {self.value_clip}")
+        _check(self.warmup_steps >= 0, "warmup_steps", f"must be >= 0, got {self.warmup_steps}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -547,6 +596,7 @@ class JobConfig:
         eval: evaluation schedule and datasets.
         algorithm: advantage estimator and loss terms.
         trainer: trainer fleet, optimizer and scheduler.
+        critic: PPO's value model (used only with algorithm.advantage ppo).
         weight_sync: how weights reach the rollout engines.
         checkpoint: periodic checkpoints.
         sft: optional supervised warm-up stage before RL; null = none.
@@ -564,6 +614,7 @@ class JobConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
     weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     sft: SftConfig | None = None
@@ -591,11 +642,13 @@ class JobConfig:
             "a training job (num_rollout > 0) needs a training dataset (or set num_rollout: 0 for eval-only)",
         )
         advantage = self.algorithm.advantage
-        _check(
-            advantage != "ppo", "algorithm.advantage",
-            "'ppo' needs a critic, which is not supported yet; use grpo, dr_grpo, reinforce_pp or "
-            "reinforce_pp_baseline (ppo is accepted in eval-only jobs)",
-        )
+        if self.needs_critic:
+            _check(self.critic.warmup_steps < self.num_rollout, "critic.warmup_steps",
+                   f"must be < num_rollout ({self.num_rollout}), or the policy never trains; got {self.critic.warmup_steps}")
+            critic_sched = self.critic.scheduler
+            if critic_sched.kind != "constant":
+                _check(critic_sched.warmup_steps < critic_sched.total_decay_steps(self.num_rollout),
+                       "critic.scheduler.warmup_steps", f"must be < the decay steps of a {critic_sched.kind} scheduler")
         if advantage in GROUP_BASELINES:
             _check(
                 self.rollout.samples_per_prompt >= 2, "rollout.samples_per_prompt",
@@ -620,6 +673,15 @@ class JobConfig:
     @property
     def eval_only(self) -> bool:
         return self.num_rollout == 0
+
+    @property
+    def needs_critic(self) -> bool:
+        """PPO trains a value model; an eval-only job builds none, whatever its algorithm says."""
+        return self.algorithm.advantage == "ppo" and not self.eval_only
+
+    @property
+    def num_critics(self) -> int:
+        return self.critic.num_critics if self.needs_critic else 0
 
     @property
     def rewards(self) -> list[RewardConfig]:
@@ -680,6 +742,9 @@ def check_paths(cfg: JobConfig) -> None:
         raise ConfigError(f"model: {cfg.model} {what} (expected a Hugging Face model directory)")
     if not (cfg.model / "config.json").is_file():
         raise ConfigError(f"model: {cfg.model} has no config.json (expected a Hugging Face model directory)")
+    if cfg.needs_critic and cfg.critic.model is not None and not (cfg.critic.model / "config.json").is_file():
+        raise ConfigError(f"critic.model: {cfg.critic.model} has no config.json (expected a critic checkpoint or "
+                          "a Hugging Face model directory)")
     files: list[tuple[str, Path]] = [(f"eval.datasets[{i}].path", d.path) for i, d in enumerate(cfg.eval.datasets)]
     if not cfg.eval_only:
         assert cfg.data.train is not None  # JobConfig checks this for training jobs

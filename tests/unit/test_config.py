@@ -63,6 +63,9 @@ algorithm:
   clip_eps_high: 0.2
   entropy_coef: 0.0
   loss_agg: token_mean
+  gamma: 1.0
+  lam: 0.95
+  whiten_advantages: true
 trainer:
   backend: torch
   device: cpu
@@ -75,6 +78,17 @@ trainer:
   colocate: false
   master_weights: null
   tags: []
+critic:
+  model: null
+  num_critics: 1
+  device: null
+  dtype: null
+  micro_batch_size: null
+  optimizer: {lr: 1.0e-5, weight_decay: 0.0, betas: [0.9, 0.999], eps: 1.0e-8, grad_clip: 1.0}
+  scheduler: {kind: constant, warmup_steps: 0, decay_steps: null, min_lr_ratio: 0.0}
+  value_clip: 0.2
+  warmup_steps: 0
+  offload: null
 weight_sync:
   plane: auto
   verify: fingerprint
@@ -287,8 +301,23 @@ def test_training_job_needs_training_data():
     assert error_of(drop=("data",)).startswith("data.train: a training job (num_rollout > 0) needs")
 
 
-def test_ppo_is_not_supported_for_training_yet():
-    assert "not supported yet" in error_of({"algorithm": {"advantage": "ppo"}})
+def test_ppo_trains_with_critics_and_an_eval_only_job_has_none():
+    cfg = parse({"algorithm": {"advantage": "ppo", "gamma": 0.99, "lam": 0.9}, "critic": {"num_critics": 2}})
+    assert cfg.needs_critic and cfg.num_critics == 2
+    assert (cfg.algorithm.gamma, cfg.algorithm.lam) == (0.99, 0.9)
+    assert parse({"algorithm": {"advantage": "grpo"}}).num_critics == 0  # the critic section is unused
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"algorithm": {"advantage": "ppo", "lam": 1.5}}, "algorithm.lam: must be in [0, 1], got 1.5"),
+    ({"algorithm": {"advantage": "ppo", "gamma": -0.1}}, "algorithm.gamma: must be in [0, 1]"),
+    ({"algorithm": {"advantage": "ppo"}, "critic": {"num_critics": 0}}, "critic.num_critics: must be >= 1"),
+    ({"algorithm": {"advantage": "ppo"}, "critic": {"value_clip": -1}}, "critic.value_clip: must be >= 0"),
+    ({"algorithm": {"advantage": "ppo"}, "critic": {"warmup_steps": 99}}, "critic.warmup_steps: must be < num_rollout"),
+    ({"algorithm": {"advantage": "ppo"}, "critic": {"lr": 1e-5}}, "unknown key 'critic.lr'"),
+])
+def test_bad_ppo_settings_name_the_field(overrides, message):
+    assert message in error_of(overrides)
 
 
 @pytest.mark.parametrize("advantage", ["grpo", "dr_grpo", "reinforce_pp_baseline"])
