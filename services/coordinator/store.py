@@ -2,11 +2,13 @@
 
 Every change to a job is an event appended in one transaction with the job-field updates it
 causes; `step`, `eval` and `checkpoint` events are also projected into their own tables (step
-metrics, eval results, checkpoints) so readers need not scan the log. `SqliteJobStore` keeps all
-of it in one SQLite file (WAL mode, one writer lock, a commit per change), so a coordinator killed
-with SIGKILL finds every job and every event it had acknowledged. `MemoryJobStore` has the same
-behaviour in dicts, for tests and throw-away coordinators. Nothing here knows about gRPC, HTTP or
-the RL loop.
+metrics, eval results, checkpoints) so readers need not scan the log. Those tables hold the job's
+current run: a job resumed from its checkpoint of step C runs the steps after C again, so the
+resume drops their results there (`drop_after`) while the log keeps every event that happened.
+`SqliteJobStore` keeps all of it in one SQLite file (WAL mode, one writer lock, a commit per
+change), so a coordinator killed with SIGKILL finds every job and every event it had acknowledged.
+`MemoryJobStore` has the same behaviour in dicts, for tests and throw-away coordinators. Nothing
+here knows about gRPC, HTTP or the RL loop.
 """
 
 from __future__ import annotations
@@ -123,6 +125,9 @@ class JobStore(Protocol):
     def eval_results(self, job_id: str) -> list[EvalResult]: ...
 
     def checkpoints(self, job_id: str) -> list[Checkpoint]: ...
+
+    def drop_after(self, job_id: str, step: int) -> None:
+        """Forget the step metrics, eval results and checkpoints of steps after `step` (the log stays)."""
 
     def stats(self) -> dict[str, Any]:
         """{"jobs": {state: n}, "events": {kind: n}, "steps": n} for /metrics."""
@@ -243,6 +248,10 @@ class MemoryJobStore:
 
     def checkpoints(self, job_id):
         return latest_per_step(self._of(job_id, Checkpoint), lambda c: c.step)
+
+    def drop_after(self, job_id, step):
+        with self._lock:
+            self._projections[job_id] = [p for p in self._projections.get(job_id, []) if p.step <= step]
 
     def stats(self):
         with self._lock:
@@ -454,6 +463,13 @@ class SqliteJobStore:
             "SELECT step, time, path FROM checkpoints WHERE job_id = ? ORDER BY seq", (job_id,)
         )
         return latest_per_step([Checkpoint(step, t, path) for step, t, path in rows], lambda c: c.step)
+
+    def drop_after(self, job_id, step):
+        def drop(conn):
+            for table in ("metrics", "eval_results", "checkpoints"):
+                conn.execute(f"DELETE FROM {table} WHERE job_id = ? AND step > ?", (job_id, step))
+
+        self._write(drop)
 
     def stats(self):
         jobs = {s: 0 for s in STATES}

@@ -56,6 +56,34 @@ def test_events_are_numbered_per_job_and_update_the_job_atomically(store):
     assert stats["events"]["state"] == 4 and stats["steps"] == 1
 
 
+def test_a_resume_drops_the_results_after_its_checkpoint(store):
+    """Steps 1-5 ran (evals at 0 and 4, checkpoints at 2 and 4), then the job resumed from step 2
+    and ran step 3 again before it stopped: the stored results are those of steps 0-2 and the new 3,
+    none of the abandoned run after step 2; the log keeps every event."""
+    store.insert_job(_record("a"), ("state", {}))
+    t = iter(range(10, 100))
+
+    def step(n: int, reward: float) -> None:
+        store.append_event("a", "step", float(next(t)), n, {"reward_mean": reward}, {"step": n})
+
+    def evals(n: int, score: float) -> None:
+        for dataset in ("x", "y"):
+            store.append_event("a", "eval", float(next(t)), n, {"dataset": dataset, "score": score})
+
+    evals(0, 0.0)
+    for n in range(1, 6):
+        step(n, 0.0)
+        if n % 2 == 0:
+            store.append_event("a", "checkpoint", float(next(t)), n, {"path": f"/ckpt/{n}"})
+    evals(4, 0.4)
+    store.drop_after("a", 2)
+    step(3, 1.0)
+    assert [(m.step, m.metrics["reward_mean"]) for m in store.step_metrics("a")] == [(1, 0.0), (2, 0.0), (3, 1.0)]
+    assert [(e.step, e.dataset) for e in store.eval_results("a")] == [(0, "x"), (0, "y")]
+    assert [c.path for c in store.checkpoints("a")] == ["/ckpt/2"]
+    assert [e.step for e in store.events("a") if e.kind == "step"] == [1, 2, 3, 4, 5, 3]
+
+
 def test_request_ids_are_unique_and_pages_go_newest_first(store):
     store.insert_job(_record("a", request_id="r1"), ("state", {}))
     with pytest.raises(DuplicateRequestId) as err:
