@@ -83,9 +83,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
             server = build_coordinator(
                 make_fleet, host=args.host, port=args.port, token=token, db=args.db, runs_dir=Path(args.runs_dir),
                 http_port=args.http_port, max_running=args.max_running_jobs,
-                allowed_reward_modules=tuple(args.allow_reward_module),
+                allowed_reward_modules=tuple(args.allow_reward_module), trainer_restarts=args.trainer_restarts,
+                trainer_wait_s=args.discovery_wait_s,
             )
-        except StoreError as e:
+        except (StoreError, ValueError) as e:  # ValueError: a coordinator setting out of range, named
             print(f"rlfleet: {e}", file=sys.stderr)
             return EXIT_CONFIG
         manager = server.manager
@@ -273,13 +274,17 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--revision", default="",
                        help="coordinator: only workers labelled rlfleet.dev/revision=REVISION (an eval release's own)")
     serve.add_argument("--discovery-wait-s", type=float, default=600.0,
-                       help="coordinator: how long a job waits for enough ready workers")
+                       help="coordinator: how long a job waits for enough ready workers (and for a lost "
+                            "trainer's replacement)")
     serve.add_argument("--eval-trainers", type=int, default=0,
                        help="coordinator: trainers an eval-only job waits for (0: engines load the checkpoint)")
     serve.add_argument("--http-port", type=int, default=None,
                        help="coordinator: also serve the REST API (/v1/jobs, /openapi.json) on this port; 0 picks one")
     serve.add_argument("--db", default="./rlfleet-jobs.db",
                        help="coordinator: SQLite job store (jobs and events survive restarts); 'memory' keeps none")
+    serve.add_argument("--trainer-restarts", type=int, default=3,
+                       help="coordinator: how often a job that loses a trainer restarts from its last checkpoint "
+                            "(0: such a job fails)")
     serve.add_argument("--max-running-jobs", type=int, default=1,
                        help="coordinator: jobs that run at once; the rest wait as pending")
     serve.add_argument("--job", help="coordinator: run this job file at start")

@@ -65,9 +65,9 @@ class TrainerClient(_Client):
         self.capabilities = reply.capabilities
         return reply.status
 
-    def status(self) -> trainer_pb2.TrainerStatus:
+    def status(self, timeout_s: float = 30.0) -> trainer_pb2.TrainerStatus:
         with self._call("GetStatus"):
-            return self._stub.GetStatus(trainer_pb2.GetTrainerStatusRequest(), timeout=30)
+            return self._stub.GetStatus(trainer_pb2.GetTrainerStatusRequest(), timeout=timeout_s)
 
     def sleep(self) -> trainer_pb2.LifecycleStatus:
         with self._call("Sleep"):

@@ -11,7 +11,14 @@ Restart policy: a job that was `running` when the coordinator died or stopped re
 last checkpoint when it has one (the trainer loads weights, optimizer and scheduler; the loop
 replays the data order and sampling seeds up to that step, so the steps after it come out as
 they would have); without a checkpoint it is marked `failed` with RESTART_REASON. A `pending`
-job never started, so it is queued again and runs.
+job never started, so it is queued again and runs. A job that loses a trainer while the
+coordinator lives (its process killed, its pod drained: a trainer call fails UNAVAILABLE or
+DEADLINE_EXCEEDED, or finds the trainer unconfigured) resumes the same way: the coordinator makes
+its fleet anew (discovery says where the trainers are now), waits up to `trainer_wait_s` until
+every trainer answers, and runs on from the last checkpoint, at most `trainer_restarts` times
+per job (`serve coordinator --trainer-restarts`; 0 turns this off). Without a checkpoint, or with
+no restart left, the job fails with an error saying so. Either way the steps after the checkpoint
+run again: their metric lines and stored results are dropped first, so each step keeps one.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ import base64
 import binascii
 import dataclasses
 import hashlib
+import itertools
 import json
 import tempfile
 import threading
@@ -35,7 +43,8 @@ import yaml
 
 from services import rpc
 from services.coordinator.config import ConfigError, JobConfig, parse_job, to_dict
-from services.coordinator.loop import JobCancelled, Resume, RLLoop
+from services.coordinator.clients import PeerError
+from services.coordinator.loop import Fleet, JobCancelled, Resume, RLLoop
 from services.coordinator.metrics import MetricsWriter, plot_rewards
 from services.coordinator.rewards import RewardError, check_reward_modules
 from services.coordinator.store import (
@@ -54,6 +63,9 @@ from services.coordinator.store import (
     MemoryJobStore,
 )
 from services.coordinator.tracking import NullTracker, Tracker, build_tracker
+from services.coordinator.trainer_recovery import (
+    TrainerLost, close_clients, gone, lost_trainer_error, wait_for_trainers,
+)
 
 __all__ = [
     "CANCELLED", "FAILED", "PENDING", "RUNNING", "STATES", "SUCCEEDED", "TERMINAL", "Event", "JobRecord",
@@ -101,14 +113,23 @@ class JobManager:
         store: JobStore | None = None,
         max_running: int = 1,
         allowed_reward_modules: tuple[str, ...] = (),
+        trainer_restarts: int = 3,
+        trainer_wait_s: float = 600.0,
     ):
         if max_running < 1:
             raise ValueError(f"max_running: must be >= 1, got {max_running}")
+        if trainer_restarts < 0:
+            raise ValueError(f"trainer_restarts: must be >= 0, got {trainer_restarts}")
+        if not trainer_wait_s >= 0:
+            raise ValueError(f"trainer_wait_s: must be >= 0, got {trainer_wait_s}")
         self._make_fleet = make_fleet
         self._runs_dir = Path(runs_dir)
         self._allowed_reward_modules = tuple(allowed_reward_modules)  # python rewards a job may import
         self.store: JobStore = store if store is not None else MemoryJobStore()
         self._max_running = max_running
+        # How often one job may restart from its checkpoint after losing a trainer, and how long
+        # it waits each time for every trainer to answer again.
+        self._trainer_restarts, self._trainer_wait_s = trainer_restarts, trainer_wait_s
         self._live: dict[str, _Live] = {}
         self._queue: deque[str] = deque()
         self._running: set[str] = set()
@@ -299,36 +320,34 @@ class JobManager:
 
     def _execute(self, record: JobRecord, live: _Live) -> None:
         output_dir = Path(record.output_dir)
-        loop = None
         tracker: Tracker = NullTracker()
         summary: dict = {}
         try:
             output_dir.mkdir(parents=True, exist_ok=True)
             writer = MetricsWriter(output_dir)
             (output_dir / "job.yaml").write_text(record.config_yaml)
-            resume = None
-            if live.resume is not None:  # the steps after the checkpoint run again: their old lines go
-                writer.drop_after(live.resume.step)
-                before = {e.dataset: e.score for e in self.store.eval_results(record.id) if e.step == 0}
-                resume = Resume(step=live.resume.step, path=live.resume.path, evals_before=before)
-            # TensorBoard and W&B, when the job asks for them (a tracker that cannot start fails the job now)
-            tracker = build_tracker(live.config.tracking, output_dir, run_name=f"{record.name}-{record.id}",
-                                    run_id=record.id, config=to_dict(live.config),
-                                    resume_step=resume.step if resume is not None else None)
-
-            def emit(kind: str, step: int, data: dict) -> None:
-                updates = None
-                if kind == "step":
-                    writer.write_step(step, data)
-                    updates = {"step": step}
-                elif kind == "eval":
-                    writer.write_eval(step, data)
-                tracker.log(kind, step, data)  # never raises: a failing tracker is dropped
-                with self._cond:
-                    self._append(record.id, kind, step, data, updates)
-
-            loop = RLLoop(live.config, self._make_fleet(live.config), emit, live.cancel, resume=resume)
-            summary = loop.run()
+            resume = self._resume(record.id, writer, live.resume) if live.resume is not None else None
+            fleet: Fleet | None = None
+            for restarts in itertools.count():
+                # TensorBoard and W&B, when the job asks for them (a tracker that cannot start fails the job now)
+                tracker = build_tracker(live.config.tracking, output_dir, run_name=f"{record.name}-{record.id}",
+                                        run_id=record.id, config=to_dict(live.config),
+                                        resume_step=resume.step if resume is not None else None)
+                if fleet is None:
+                    fleet = self._make_fleet(live.config)
+                try:
+                    summary = self._run_loop(record.id, live, fleet, resume, writer, tracker)
+                    break
+                except Exception as e:
+                    lost = lost_trainer_error(e, [t.address for t in fleet.trainers])
+                    if lost is None:
+                        raise
+                    checkpoint = self._restart_point(record.id, lost, fleet, restarts)  # TrainerLost when none
+                tracker.close()  # the steps after the checkpoint are logged again, by a tracker resumed there
+                tracker = NullTracker()
+                close_clients(fleet)
+                fleet = wait_for_trainers(self._make_fleet, live.config, live.cancel, self._trainer_wait_s)
+                resume = self._resume(record.id, writer, checkpoint)
             summary["output_dir"] = str(output_dir)
             summary["plot"] = str(plot_rewards(output_dir))
             (output_dir / "summary.json").write_text(json.dumps(summary, indent=2))
@@ -339,13 +358,63 @@ class JobManager:
             log.error("job %s failed: %s\n%s", record.id, e, traceback.format_exc())
             state, error, summary = FAILED, f"{type(e).__name__}: {e}", {}
         finally:
-            if loop is not None:
-                loop.close()
             tracker.close(summary)
         with self._cond:
             stored = self._finish(record.id, state, error, summary)
         if stored is not None:  # None: close() already ended it
             log.info("job %s %s%s", record.id, state, f": {error}" if error else "")
+
+    def _run_loop(self, job_id: str, live: _Live, fleet: Fleet, resume: Resume | None, writer: MetricsWriter,
+                  tracker: Tracker) -> dict:
+        """One RLLoop on `fleet` to its end; every event it emits is written, tracked and stored."""
+
+        def emit(kind: str, step: int, data: dict) -> None:
+            updates = None
+            if kind == "step":
+                writer.write_step(step, data)
+                updates = {"step": step}
+            elif kind == "eval":
+                writer.write_eval(step, data)
+            tracker.log(kind, step, data)  # never raises: a failing tracker is dropped
+            with self._cond:
+                self._append(job_id, kind, step, data, updates)
+
+        loop = RLLoop(live.config, fleet, emit, live.cancel, resume=resume)
+        try:
+            return loop.run()
+        finally:
+            loop.close()
+
+    def _resume(self, job_id: str, writer: MetricsWriter, checkpoint: Checkpoint) -> Resume:
+        """Run on from `checkpoint`: the steps after it run again (their old lines and stored
+        results go), and the evals before training are the stored ones."""
+        writer.drop_after(checkpoint.step)
+        with self._cond:
+            self.store.drop_after(job_id, checkpoint.step)
+        before = {e.dataset: e.score for e in self.store.eval_results(job_id) if e.step == 0}
+        return Resume(step=checkpoint.step, path=checkpoint.path, evals_before=before)
+
+    def _restart_point(self, job_id: str, lost: PeerError, fleet: Fleet, restarts: int) -> Checkpoint:
+        """The checkpoint a job that lost a trainer restarts from, announced in its log; TrainerLost
+        saying why when it cannot restart (no checkpoint, or no restart left)."""
+        who = ", ".join(gone(fleet.trainers)) or lost.peer  # a rank's error can name a live peer
+        after = self.get(job_id).step
+        what = f"trainer {who} lost after step {after} ({lost})"
+        checkpoints = self.store.checkpoints(job_id)
+        if self._trainer_restarts == 0:
+            raise TrainerLost(f"{what}; trainer restarts are off (--trainer-restarts 0)") from lost
+        if not checkpoints:
+            raise TrainerLost(f"{what} and the job has no checkpoint to resume from; set checkpoint.every") from lost
+        if restarts >= self._trainer_restarts:
+            raise TrainerLost(f"{what}, and the job already restarted {restarts} times "
+                              f"(--trainer-restarts {self._trainer_restarts})") from lost
+        checkpoint = checkpoints[-1]
+        message = (f"{what}; the job resumes from its checkpoint of step {checkpoint.step} once every trainer answers "
+                   f"(restart {restarts + 1} of {self._trainer_restarts})")
+        with self._cond:
+            self._append(job_id, "log", checkpoint.step, {"message": message}, {"step": checkpoint.step})
+        log.warning("job %s: %s", job_id, message)
+        return checkpoint
 
     def _finish(self, job_id: str, state: str, error: str, summary: dict | None = None) -> JobRecord | None:
         """Store a terminal state (with the lock held); None when the job had already ended here."""

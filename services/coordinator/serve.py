@@ -63,11 +63,14 @@ def build_coordinator(
     http_port: int | None = None,
     max_running: int = 1,
     allowed_reward_modules: tuple[str, ...] = (),
+    trainer_restarts: int = 3,
+    trainer_wait_s: float = 600.0,
 ) -> CoordinatorService:
     """Open the store (a restart applies the restart policy to unfinished jobs) and start serving."""
     store = open_store(db)
     manager = JobManager(make_fleet, runs_dir=runs_dir, store=store, max_running=max_running,
-                         allowed_reward_modules=allowed_reward_modules)
+                         allowed_reward_modules=allowed_reward_modules, trainer_restarts=trainer_restarts,
+                         trainer_wait_s=trainer_wait_s)
     server = build_server(manager, f"{host}:{port}", token)
     rest = None
     if http_port is not None:

@@ -1,0 +1,193 @@
+"""A trainer that dies mid-job while the coordinator lives (a pod killed or drained) does not fail
+the job: the coordinator waits until a trainer answers where discovery now says one is, and runs
+the job on from its last checkpoint, as a restarted coordinator would. Without a checkpoint, or
+with trainer restarts turned off, the job fails saying why; a cancel during the wait still works."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import textwrap
+import time
+
+import pytest
+
+from services.coordinator.discovery import StaticDiscovery, make_fleet
+from services.coordinator.jobs import JobManager
+from services.launcher import LocalFleet
+from tests.conftest import stop_fleet
+
+pytestmark = pytest.mark.faults
+ENV = {"OMP_NUM_THREADS": "1"}
+
+
+def _job(tmp_path, model, train, test, *, checkpoint_every: int, num_trainers: int = 1) -> str:
+    return textwrap.dedent(f"""
+        name: losing-trainer
+        seed: 3
+        model: {model}
+        num_rollout: 8
+        output_dir: {tmp_path / "out"}
+        rollout: {{prompts_per_step: 4, samples_per_prompt: 4, sampling: {{max_new_tokens: 3}}}}
+        data: {{train: {train}}}
+        eval: {{every: 0, datasets: [{{name: heldout, path: {test}, limit: 8, sampling: {{max_new_tokens: 3}}}}]}}
+        trainer: {{num_trainers: {num_trainers}, optimizer: {{lr: 0.01}}}}
+        checkpoint: {{every: {checkpoint_every}}}
+        """)
+
+
+def _trainer(local: LocalFleet, name: str, tmp_path):
+    return local.start("trainer", name, ["--checkpoint-root", str(tmp_path)])  # checkpoints under the test's folder
+
+
+def _messages(manager, job_id) -> list[str]:
+    return [e.data.get("message", "") for e in manager.store.events(job_id, 0, 10_000) if e.kind == "log"]
+
+
+def _run_losing(manager, job_id, victim, on_kill=lambda: None, at_step: int = 3):
+    """Follow the job; SIGKILL `victim` right after the step-`at_step` event, then call on_kill."""
+    killed = False
+    for event in manager.watch(job_id):
+        if event.kind == "step" and event.step == at_step and not killed:
+            os.kill(victim.process.pid, signal.SIGKILL)
+            victim.process.wait()
+            killed = True
+            on_kill()
+    return manager.get(job_id)
+
+
+def _assert_resumed_once(manager, job_id, lost_address: str, output_dir) -> None:
+    events = manager.store.events(job_id, 0, 10_000)
+    restarts = [e for e in events if e.kind == "log" and "resumes from its checkpoint of step 2" in e.data["message"]]
+    assert len(restarts) == 1, _messages(manager, job_id)
+    restart, message = restarts[0].seq, restarts[0].data["message"]
+    assert f"trainer {lost_address} lost after step 3" in message and "UNAVAILABLE" in message, message
+    assert any("resumed from the checkpoint of step 2" in m for m in _messages(manager, job_id))
+    before = [e.step for e in events if e.kind == "step" and e.seq < restart]
+    after = [e for e in events if e.kind == "step" and e.seq > restart]
+    assert before[:3] == [1, 2, 3] and before == list(range(1, len(before) + 1))  # the kill races step 4
+    assert [e.step for e in after] == list(range(3, 9))
+    # the replacement trainer loaded the step-2 weights: versions go on from there, as if never lost
+    assert all(e.data["weights_version"] == e.step for e in after)
+    assert manager.get(job_id).summary["weights_version"] == 8
+    assert [m.step for m in manager.store.step_metrics(job_id)] == list(range(1, 9))
+    assert [c.step for c in manager.store.checkpoints(job_id)] == [2, 4, 6, 8]
+    lines = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lines] == list(range(1, 9))  # the re-run steps replaced their first lines
+
+
+def test_a_job_resumes_from_its_checkpoint_on_a_replacement_trainer(tmp_path, tiny_model_dir, task_files):
+    train, test = task_files
+    local = LocalFleet(tmp_path / "logs", env=ENV)
+    later = LocalFleet(tmp_path / "logs-later", env=ENV)  # the trainer pod after its restart
+    manager = None
+    try:
+        trainer = _trainer(local, "trainer-0", tmp_path)
+        engine = local.start("rollout", "rollout-0", [])
+        local.wait_ready()
+        discovery = StaticDiscovery([trainer.address], [engine.address])
+        manager = JobManager(make_fleet(discovery, wait_s=30), runs_dir=tmp_path / "runs", trainer_wait_s=60)
+        job = manager.create(_job(tmp_path, tiny_model_dir, train, test, checkpoint_every=2), str(tmp_path))
+
+        def replace():
+            replacement = _trainer(later, "trainer-0b", tmp_path)  # ...comes back at another address
+            later.wait_ready()
+            discovery._ready.replace([replacement.address], [engine.address])
+
+        final = _run_losing(manager, job.id, trainer, replace)
+        assert final.state == "succeeded", (final.error, _messages(manager, job.id)[-5:])
+        _assert_resumed_once(manager, job.id, trainer.address, tmp_path / "out")
+    finally:
+        if manager is not None:
+            manager.close()
+        stop_fleet(local, log_lines=10)
+        stop_fleet(later, log_lines=10)
+
+
+@pytest.mark.parametrize(("checkpoint_every", "restarts", "why"), [
+    (0, 3, "and the job has no checkpoint to resume from; set checkpoint.every"),
+    (2, 0, "trainer restarts are off (--trainer-restarts 0)"),
+], ids=["without-checkpoints", "restarts-off"])
+def test_a_job_that_cannot_restart_fails_saying_why(tmp_path, tiny_model_dir, task_files, checkpoint_every,
+                                                    restarts, why):
+    train, test = task_files
+    local = LocalFleet(tmp_path / "logs", env=ENV)
+    manager = None
+    try:
+        trainer = _trainer(local, "trainer-0", tmp_path)
+        engine = local.start("rollout", "rollout-0", [])
+        local.wait_ready()
+        discovery = StaticDiscovery([trainer.address], [engine.address])
+        manager = JobManager(make_fleet(discovery, wait_s=30), runs_dir=tmp_path / "runs", trainer_restarts=restarts)
+        job = manager.create(_job(tmp_path, tiny_model_dir, train, test, checkpoint_every=checkpoint_every),
+                             str(tmp_path))
+        started = time.monotonic()
+        final = _run_losing(manager, job.id, trainer)
+        assert time.monotonic() - started < 60  # it fails at once: there is nothing to wait for
+        assert final.state == "failed"
+        assert final.error.startswith(f"TrainerLost: trainer {trainer.address} lost after step 3"), final.error
+        assert why in final.error, final.error
+        assert not any("resumes from" in m for m in _messages(manager, job.id))
+    finally:
+        if manager is not None:
+            manager.close()
+        stop_fleet(local, log_lines=10)
+
+
+def test_a_job_waiting_for_its_lost_trainer_can_be_cancelled(tmp_path, tiny_model_dir, task_files):
+    train, test = task_files
+    local = LocalFleet(tmp_path / "logs", env=ENV)
+    manager = None
+    try:
+        trainer = _trainer(local, "trainer-0", tmp_path)
+        engine = local.start("rollout", "rollout-0", [])
+        local.wait_ready()
+        discovery = StaticDiscovery([trainer.address], [engine.address])  # the dead address stays listed
+        manager = JobManager(make_fleet(discovery, wait_s=30), runs_dir=tmp_path / "runs", trainer_wait_s=600)
+        job = manager.create(_job(tmp_path, tiny_model_dir, train, test, checkpoint_every=2), str(tmp_path))
+        killed, cancelled_at = False, None
+        for event in manager.watch(job.id):
+            if event.kind == "step" and event.step == 3 and not killed:
+                os.kill(trainer.process.pid, signal.SIGKILL)
+                killed = True
+            if event.kind == "log" and "resumes from its checkpoint" in event.data["message"]:
+                manager.cancel(job.id)
+                cancelled_at = time.monotonic()
+        final = manager.get(job.id)
+        assert final.state == "cancelled", (final.error, _messages(manager, job.id)[-5:])
+        assert time.monotonic() - cancelled_at < 5  # not at the end of the 600 s wait
+    finally:
+        if manager is not None:
+            manager.close()
+        stop_fleet(local, log_lines=10)
+
+
+def test_a_two_rank_trainer_group_that_loses_a_rank_resumes(tmp_path, tiny_model_dir, task_files):
+    train, test = task_files
+    local = LocalFleet(tmp_path / "logs", env=ENV)
+    later = LocalFleet(tmp_path / "logs-later", env=ENV)
+    manager = None
+    try:
+        rank0, rank1 = _trainer(local, "trainer-0", tmp_path), _trainer(local, "trainer-1", tmp_path)
+        engine = local.start("rollout", "rollout-0", [])
+        local.wait_ready()
+        discovery = StaticDiscovery([rank0.address, rank1.address], [engine.address])
+        manager = JobManager(make_fleet(discovery, wait_s=30), runs_dir=tmp_path / "runs", trainer_wait_s=60)
+        job = manager.create(_job(tmp_path, tiny_model_dir, train, test, checkpoint_every=2, num_trainers=2),
+                             str(tmp_path))
+
+        def replace():
+            replacement = _trainer(later, "trainer-1b", tmp_path)
+            later.wait_ready()
+            discovery._ready.replace([rank0.address, replacement.address], [engine.address])
+
+        final = _run_losing(manager, job.id, rank1, replace)
+        assert final.state == "succeeded", (final.error, _messages(manager, job.id)[-5:])
+        # rank 0 lived on and was configured again, into a group with the new rank 1
+        _assert_resumed_once(manager, job.id, rank1.address, tmp_path / "out")
+    finally:
+        if manager is not None:
+            manager.close()
+        stop_fleet(local, log_lines=10)
+        stop_fleet(later, log_lines=10)
