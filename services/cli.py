@@ -111,9 +111,9 @@ def _stop_workers(args: argparse.Namespace, discovery, log) -> None:
     from services.coordinator.clients import shutdown_workers
 
     if discovery is not None:
-        trainers, rollouts = discovery.trainers(), discovery.rollouts()
+        trainers, rollouts = discovery.trainers() + discovery.critics(), discovery.rollouts()
     else:
-        trainers = [a for a in (args.trainers or "").split(",") if a]
+        trainers = [a for a in f"{args.trainers or ''},{args.critics or ''}".split(",") if a]
         rollouts = [a for a in (args.rollouts or "").split(",") if a]
     missed = shutdown_workers(trainers, rollouts, _read_token(args.worker_token_file, "RLFLEET_WORKER_TOKEN"),
                               "the coordinator's one job has finished")
@@ -129,7 +129,8 @@ def _worker_fleet(args: argparse.Namespace, token: str | None):
 
         trainers = [a for a in (args.trainers or "").split(",") if a]
         rollouts = [a for a in (args.rollouts or "").split(",") if a]
-        return static_fleet(trainers, rollouts, token), None
+        critics = [a for a in (args.critics or "").split(",") if a]
+        return static_fleet(trainers, rollouts, token, critics), None
     from services.coordinator.discovery import make_fleet
 
     try:
@@ -262,6 +263,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="trainer, rollout: serve Prometheus metrics at http://HOST:PORT/metrics (0: a free port)")
     serve.add_argument("--trainers", help="coordinator: comma-separated trainer addresses")
     serve.add_argument("--rollouts", help="coordinator: comma-separated rollout engine addresses")
+    serve.add_argument("--critics", help="coordinator: comma-separated critic addresses (trainer servers PPO jobs "
+                                         "use as value models)")
     serve.add_argument("--worker-token-file", help="coordinator: token for trainers and engines")
     serve.add_argument("--runs-dir", default="runs", help="coordinator: where job outputs go by default")
     serve.add_argument("--discovery", choices=["static", "kubernetes"], default="static",

@@ -57,10 +57,13 @@ class Progress:
         data = json.loads(event.data_json or "{}")
         if event.kind == "step":
             self.postfix["reward"] = f"{data['reward_mean']:.3f}"
+            if "value_loss" in data:  # PPO: how well the critic follows the returns
+                self.postfix["vloss"] = f"{data['value_loss']:.4f}"
+                self.postfix["ev"] = f"{data['explained_variance']:.2f}" if "explained_variance" in data else "n/a"
             if self.plain:
                 self.write(
                     f"step {event.step}/{self.bar.total}: reward {data['reward_mean']:.3f} "
-                    f"len {data['response_len_mean']:.1f} ({_timings(data)})"
+                    f"len {data['response_len_mean']:.1f}{_critic(data)} ({_timings(data)})"
                 )
             self.bar.set_postfix(self.postfix, refresh=False)
             self.bar.update(event.step - self.bar.n)
@@ -108,6 +111,9 @@ def _run_local(job: JobConfig, job_path: Path, args: argparse.Namespace, started
         checkpoints = Path(job.checkpoint.dir or output_dir / "checkpoints").resolve()
         trainers = [fleet.start("trainer", f"trainer-{i}", ["--checkpoint-root", str(checkpoints)])
                     for i in range(num_trainers)]
+        # PPO's value model: trainer servers the coordinator configures as critics (never for eval-only).
+        critics = [fleet.start("trainer", f"critic-{i}", ["--checkpoint-root", str(checkpoints)])
+                   for i in range(job.num_critics)]
         engines = [fleet.start("rollout", f"rollout-{i}", []) for i in range(job.rollout.num_engines)]
         fleet.wait_ready()
         # This job is the user's own, on their machine: its python rewards may import what it names.
@@ -115,12 +121,14 @@ def _run_local(job: JobConfig, job_path: Path, args: argparse.Namespace, started
         fleet.start(
             "coordinator", "coordinator",
             ["--trainers", ",".join(c.address for c in trainers), "--rollouts", ",".join(c.address for c in engines),
+             *(["--critics", ",".join(c.address for c in critics)] if critics else []),
              "--runs-dir", str(output_dir.parent), "--db", "memory", *allowed],  # it lives as long as the run
         )
         fleet.wait_ready()
         coordinator = fleet.children[-1]
         print(
-            f"rlfleet: {len(trainers)} trainer(s), {len(engines)} engine(s), coordinator at {coordinator.address}; "
+            f"rlfleet: {len(trainers)} trainer(s), {len(engines)} engine(s), "
+            f"{f'{len(critics)} critic(s), ' if critics else ''}coordinator at {coordinator.address}; "
             f"logs in {output_dir / 'logs'}",
             flush=True,
         )
@@ -192,9 +200,18 @@ def _print_summary(summary: dict) -> None:
     print(f"reward curve   {summary['plot']}")
 
 
+def _critic(step: dict) -> str:
+    """PPO's critic, when the step had one: ", value loss 0.0123 ev 0.41" (ev: explained variance)."""
+    if "value_loss" not in step:
+        return ""
+    ev = step.get("explained_variance")
+    return f", value loss {step['value_loss']:.4f} ev {'n/a' if ev is None else f'{ev:.2f}'}"
+
+
 def _timings(step: dict) -> str:
     """Where a step's time went: "0.31s: generate 0.12, train 0.15 (wake 0.01, sleep 0.02), sync 0.04"."""
-    inside = [(name, step[key]) for name, key in (("wake", "train/wake_s"), ("sleep", "sleep_s")) if key in step]
+    inside = [(name, step[key]) for name, key in (("critic", "critic_s"), ("wake", "train/wake_s"), ("sleep", "sleep_s"))
+              if key in step]
     train = f"train {step['train_s']:.2f}" + (f" ({', '.join(f'{n} {s:.2f}' for n, s in inside)})" if inside else "")
     total = step["generate_s"] + step["train_s"] + step["sync_s"]
     return f"{total:.2f}s: generate {step['generate_s']:.2f}, {train}, sync {step['sync_s']:.2f}"

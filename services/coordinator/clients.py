@@ -84,10 +84,18 @@ class TrainerClient(_Client):
             )
         return [list(r.values) for r in reply.results]
 
+    def compute_values(self, batch: trainer_pb2.Batch) -> list[list[float]]:
+        """A critic's values, one per response token of every sample."""
+        with self._call("ComputeValues"):
+            reply = self._stub.ComputeValues(trainer_pb2.ComputeValuesRequest(batch=batch), timeout=self.deadline_s)
+        return [list(r.values) for r in reply.results]
+
     def train_step(
-        self, batch: trainer_pb2.Batch, *, sft: bool = False, lr: float = 0.0
+        self, batch: trainer_pb2.Batch, *, sft: bool = False, value: bool = False, lr: float = 0.0
     ) -> tuple[dict[str, float], int]:
-        loss = trainer_pb2.LOSS_KIND_SFT if sft else trainer_pb2.LOSS_KIND_POLICY
+        """One optimizer step: the policy loss, the SFT loss (`sft`) or a critic's value loss (`value`)."""
+        loss = (trainer_pb2.LOSS_KIND_VALUE if value else
+                trainer_pb2.LOSS_KIND_SFT if sft else trainer_pb2.LOSS_KIND_POLICY)
         request = trainer_pb2.TrainStepRequest(batch=batch, loss=loss, lr=lr)
         with self._call("TrainStep"):
             reply = self._stub.TrainStep(request, timeout=self.deadline_s)
@@ -215,8 +223,12 @@ class TrainerGroup:
     def compute_logprobs(self, tag: str, batch: trainer_pb2.Batch) -> list[list[float]]:
         return self._all(lambda client, _: client.compute_logprobs(tag, batch))
 
-    def train_step(self, batch: trainer_pb2.Batch, *, sft: bool = False, lr: float = 0.0) -> tuple[dict[str, float], int]:
-        return self._all(lambda client, _: client.train_step(batch, sft=sft, lr=lr))
+    def compute_values(self, batch: trainer_pb2.Batch) -> list[list[float]]:
+        return self._all(lambda client, _: client.compute_values(batch))
+
+    def train_step(self, batch: trainer_pb2.Batch, *, sft: bool = False, value: bool = False,
+                   lr: float = 0.0) -> tuple[dict[str, float], int]:
+        return self._all(lambda client, _: client.train_step(batch, sft=sft, value=value, lr=lr))
 
     def save_checkpoint(self, path: str, *, include_optimizer: bool = True) -> int:
         return self._all(lambda client, _: client.save_checkpoint(path, include_optimizer=include_optimizer))

@@ -39,6 +39,10 @@ class Discovery(Protocol):
         """Addresses of the rollout engines ready for work, in rank order."""
         ...
 
+    def critics(self) -> list[str]:
+        """Addresses of the critics (trainer servers PPO jobs use as value models), in rank order."""
+        ...
+
     def wait_until(self, predicate: Callable[[list[str], list[str]], bool], timeout_s: float) -> bool:
         """Block until predicate(trainers, rollouts) holds (True) or timeout_s passes (False)."""
         ...
@@ -66,19 +70,24 @@ class ReadySet:
         self._cond = threading.Condition()
         self._trainers: tuple[str, ...] = ()
         self._rollouts: tuple[str, ...] = ()
+        self._critics: tuple[str, ...] = ()
         self._listeners: list[Listener] = []
 
     def snapshot(self) -> tuple[list[str], list[str]]:
         with self._cond:
             return list(self._trainers), list(self._rollouts)
 
-    def replace(self, trainers: Sequence[str], rollouts: Sequence[str]) -> bool:
-        """Set both lists; listeners run (outside the lock) only when something changed."""
-        new_t, new_r = tuple(trainers), tuple(rollouts)
+    def critics(self) -> list[str]:
         with self._cond:
-            if (new_t, new_r) == (self._trainers, self._rollouts):
+            return list(self._critics)
+
+    def replace(self, trainers: Sequence[str], rollouts: Sequence[str], critics: Sequence[str] = ()) -> bool:
+        """Set every list; listeners run (outside the lock) only when something changed."""
+        new_t, new_r, new_c = tuple(trainers), tuple(rollouts), tuple(critics)
+        with self._cond:
+            if (new_t, new_r, new_c) == (self._trainers, self._rollouts, self._critics):
                 return False
-            self._trainers, self._rollouts = new_t, new_r
+            self._trainers, self._rollouts, self._critics = new_t, new_r, new_c
             listeners = list(self._listeners)
             self._cond.notify_all()
         for listener in listeners:
@@ -114,6 +123,9 @@ class ReadySetDiscovery:
     def rollouts(self) -> list[str]:
         return self._ready.snapshot()[1]
 
+    def critics(self) -> list[str]:
+        return self._ready.critics()
+
     def wait_until(self, predicate: Callable[[list[str], list[str]], bool], timeout_s: float) -> bool:
         return self._ready.wait_until(predicate, timeout_s)
 
@@ -124,9 +136,9 @@ class ReadySetDiscovery:
 class StaticDiscovery(ReadySetDiscovery):
     """Fixed address lists: every listed worker is taken to be ready."""
 
-    def __init__(self, trainers: Sequence[str], rollouts: Sequence[str]) -> None:
+    def __init__(self, trainers: Sequence[str], rollouts: Sequence[str], critics: Sequence[str] = ()) -> None:
         self._ready = ReadySet()
-        self._ready.replace(trainers, rollouts)
+        self._ready.replace(trainers, rollouts, critics)
 
     def resync(self) -> None:
         pass
@@ -154,13 +166,17 @@ def make_fleet(
     def make(job: JobConfig) -> Fleet:
         want_t = min(eval_trainers, job.trainer.num_trainers) if job.eval_only else job.trainer.num_trainers
         want_r = job.rollout.num_engines
+        want_c = job.num_critics  # PPO only; an eval-only job waits for none
 
         chosen: list[list[str]] = []
 
         def enough(trainers: list[str], rollouts: list[str]) -> bool:
-            ok = len(trainers) >= want_t and len(rollouts) >= want_r
+            # Runs under the ready set's (reentrant) lock, so the critics read here belong to the
+            # same state as the trainers and rollouts passed in.
+            critics = discovery.critics()
+            ok = len(trainers) >= want_t and len(rollouts) >= want_r and len(critics) >= want_c
             if ok:  # keep the lists that satisfied the wait; a later read could already differ
-                chosen[:] = [trainers[: job.trainer.num_trainers], rollouts[:want_r]]
+                chosen[:] = [trainers[: job.trainer.num_trainers], rollouts[:want_r], critics[:want_c]]
             return ok
 
         if not discovery.wait_until(enough, wait_s):
@@ -171,9 +187,13 @@ def make_fleet(
                 raise ValueError(
                     f"trainer.num_trainers: job wants {want_t}, {len(trainers)} ready after {wait_s:g} s{where}"
                 )
+            if len(discovery.critics()) < want_c:
+                raise ValueError(f"critic.num_critics: job wants {want_c}, {len(discovery.critics())} ready "
+                                 f"after {wait_s:g} s{where}")
             raise ValueError(f"rollout.num_engines: job wants {want_r}, {len(rollouts)} ready after {wait_s:g} s{where}")
-        trainers, rollouts = chosen
-        log.info("job %s: trainers %s, rollout engines %s", job.name, trainers, rollouts)
+        trainers, rollouts, critics = chosen
+        log.info("job %s: trainers %s, rollout engines %s%s", job.name, trainers, rollouts,
+                 f", critics {critics}" if critics else "")
 
         def relocate(index: int) -> RolloutClient | None:
             """Engine `index`'s current address: the index-th ready engine in rank order, once
@@ -184,6 +204,7 @@ def make_fleet(
         return Fleet(
             trainers=[TrainerClient(a, token) for a in trainers],
             engines=[RolloutClient(a, token) for a in rollouts],
+            critics=[TrainerClient(a, token) for a in critics],
             trainer_token=token or "",
             relocate=relocate,
         )

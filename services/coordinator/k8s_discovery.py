@@ -35,7 +35,7 @@ log = rpc.get_logger("coordinator.k8s")
 NAME_LABEL = "app.kubernetes.io/name"
 INSTANCE_LABEL = "app.kubernetes.io/instance"
 COMPONENT_LABEL = "app.kubernetes.io/component"
-ROLES = ("trainer", "rollout")
+ROLES = ("trainer", "rollout", "critic")  # critic: a trainer server that PPO jobs use as their value model
 # A pod running a trainer and a rollout engine side by side (one GPU, shared /dev/shm and IPC): it
 # is a trainer at `port` and an engine at `colocated_rollout_port`.
 COLOCATED = "colocated"
@@ -280,8 +280,10 @@ class KubernetesDiscovery(ReadySetDiscovery):
                     ready["rollout"].append((rank_key(name), pod_address(pod, self.cfg.colocated_rollout_port)))
             trainers = [a for _, a in sorted(ready["trainer"])]
             rollouts = [a for _, a in sorted(ready["rollout"])]
-            if self._ready.replace(trainers, rollouts):
-                log.info("ready workers of %s: trainers %s, rollouts %s", self, trainers, rollouts)
+            critics = [a for _, a in sorted(ready["critic"])]
+            if self._ready.replace(trainers, rollouts, critics):
+                log.info("ready workers of %s: trainers %s, rollouts %s%s", self, trainers, rollouts,
+                         f", critics {critics}" if critics else "")
 
     # ---- plumbing --------------------------------------------------------------------------------
     def _core(self) -> client.CoreV1Api:

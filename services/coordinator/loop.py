@@ -19,7 +19,7 @@ import torch
 
 from services import rpc
 from services.api import rollout_pb2, trainer_pb2
-from services.coordinator.advantages import compute_advantages
+from services.coordinator.advantages import compute_advantages, explained_variance, gae, whiten_tokens
 from services.coordinator.clients import Completion, PeerError, RolloutClient, TrainerClient, TrainerGroup
 from services.coordinator.config import JobConfig
 from services.coordinator.datasets import Example, PromptSampler, load_examples, open_dataset
@@ -28,6 +28,7 @@ from services.coordinator.weight_sync import WeightSyncer
 from services.models.tokenizer import load_tokenizer
 
 log = rpc.get_logger("coordinator")
+CRITIC_DIR = "critic"  # a PPO checkpoint's critic: a folder inside the policy's checkpoint folder
 Emit = Callable[[str, int, dict], None]
 
 
@@ -55,6 +56,7 @@ class Fleet:
 
     trainers: list[TrainerClient]
     engines: list[RolloutClient]
+    critics: list[TrainerClient] = field(default_factory=list)  # PPO's value model, when the job has one
     trainer_token: str = ""
     in_pool: set[int] = field(default_factory=set)
     # Where engine k runs now, when that can change (a Kubernetes pod that restarted has a new
@@ -105,6 +107,34 @@ def trainer_config(job: JobConfig) -> trainer_pb2.TrainerConfig:
     )
 
 
+def critic_config(job: JobConfig) -> trainer_pb2.TrainerConfig:
+    """The TrainerConfig of a critic rank: the policy's architecture with a value head, on the
+    torch backend, with the critic's own optimizer and schedule (and the trainer's placement
+    where the critic section leaves it open)."""
+    t, c = job.trainer, job.critic
+    config = trainer_config(job)
+    config.role = "critic"
+    config.backend = "torch"
+    config.model_path = str(c.model or job.model)
+    config.device = c.device or t.device
+    config.dtype = c.dtype or t.dtype
+    config.micro_batch_size = c.micro_batch_size or t.micro_batch_size
+    config.offload = t.offload if c.offload is None else c.offload
+    config.ClearField("tags")
+    config.master_weights = ""
+    config.tensor_parallel = config.pipeline_parallel = 1
+    config.optimizer.CopyFrom(trainer_pb2.OptimizerConfig(
+        lr=c.optimizer.lr, weight_decay=c.optimizer.weight_decay, beta1=c.optimizer.betas[0],
+        beta2=c.optimizer.betas[1], eps=c.optimizer.eps, grad_clip=c.optimizer.grad_clip,
+    ))
+    config.scheduler.CopyFrom(trainer_pb2.SchedulerConfig(
+        kind=c.scheduler.kind, warmup_steps=c.scheduler.warmup_steps,
+        decay_steps=c.scheduler.total_decay_steps(job.num_rollout), min_lr_ratio=c.scheduler.min_lr_ratio,
+    ))
+    config.loss.CopyFrom(trainer_pb2.LossConfig(value_clip=c.value_clip, loss_agg=job.algorithm.loss_agg))
+    return config
+
+
 def sampling_params(cfg, *, n: int = 1, seed: int | None = None) -> rollout_pb2.SamplingParams:
     params = rollout_pb2.SamplingParams(
         temperature=cfg.temperature,
@@ -131,6 +161,7 @@ class RLLoop:
         self._pool = ThreadPoolExecutor(max_workers=2 + 2 * len(fleet.engines))
         self.syncer: WeightSyncer | None = None
         self.trainers = TrainerGroup(fleet.trainers) if fleet.trainers else None
+        self.critics: TrainerGroup | None = None  # PPO's value model (setup builds it; never in eval-only)
         self._eval_sets = [
             (ds, load_examples(ds.path, job.data.columns, limit=ds.limit), build_reward(ds.reward))
             for ds in job.eval.datasets
@@ -164,6 +195,8 @@ class RLLoop:
                             f"{status.num_parameters} parameters on rank 0, "
                             f"optimizer: {'yes' if status.has_optimizer else 'none'})"},
             )
+        if self.job.needs_critic:
+            self._setup_critics()
         for index, engine in enumerate(self.fleet.engines):
             status = engine.configure(self._engine_config(index))
         self.fleet.in_pool = set(range(len(self.fleet.engines)))
@@ -183,6 +216,24 @@ class RLLoop:
         else:
             self.weights_version, self.checkpoint_step = status.weight_version, status.checkpoint_step
             self.emit("log", 0, {"message": "no trainer: engines loaded the checkpoint themselves"})
+
+    def _setup_critics(self) -> None:
+        want = self.job.critic.num_critics
+        if len(self.fleet.critics) < want:
+            raise ValueError(f"critic.num_critics: the job wants {want} critic(s) for algorithm.advantage ppo, "
+                             f"the fleet has {len(self.fleet.critics)}")
+        self.critics = TrainerGroup(self.fleet.critics[:want])
+        status = self.critics.configure(critic_config(self.job))
+        where = ", ".join(c.address for c in self.critics.ranks)
+        self.emit("log", 0, {"message": f"critic {where} ready ({status.world_size or 1} rank(s), "
+                                        f"{status.num_parameters} parameters with the value head)"})
+        if self._critic_offload:
+            self.critics.sleep()
+
+    @property
+    def _critic_offload(self) -> bool:
+        c = self.job.critic
+        return self.job.trainer.offload if c.offload is None else c.offload
 
     def _engine_config(self, index: int) -> rollout_pb2.RolloutConfig:
         exact = self.job.weight_sync.verify == "exact"
@@ -359,25 +410,30 @@ class RLLoop:
             self._on_engines(lambda e: e.release_memory(["kv_cache", "weights"]))
         trainer = self.trainers
         kl_reward = None
-        if algo.needs_ref and not algo.use_kl_loss:  # KL as a reward penalty: kl_coef * sum_t (logp - ref)
-            kl_reward = self._kl_in_reward(trainer, completions).view(len(examples), n)  # [P, n]
-            rewards = rewards - algo.kl_coef * kl_reward
-        advantages = compute_advantages(algo.advantage, rewards, normalize_std=algo.normalize_std).view(-1)
-        samples = [
-            trainer_pb2.Sample(
-                prompt_ids=c.prompt_ids,
-                response_ids=c.output_ids,
-                advantage=float(adv),
-                old_logprobs=c.logprobs,
-            )
-            for c, adv in zip(completions, advantages)
-            if c.output_ids
-        ]
-        batch = trainer_pb2.Batch(samples=samples)
+        critic_metrics: dict[str, float] = {}
+        if self.critics is not None:  # PPO: per-token advantages from GAE over the critic's values
+            batch, critic_metrics = self._ppo_batch(completions, rewards)
+        else:
+            if algo.needs_ref and not algo.use_kl_loss:  # KL as a reward penalty: kl_coef * sum_t (logp - ref)
+                kl_reward = self._kl_in_reward(trainer, completions).view(len(examples), n)  # [P, n]
+                rewards = rewards - algo.kl_coef * kl_reward
+            advantages = compute_advantages(algo.advantage, rewards, normalize_std=algo.normalize_std).view(-1)
+            batch = trainer_pb2.Batch(samples=[
+                trainer_pb2.Sample(
+                    prompt_ids=c.prompt_ids,
+                    response_ids=c.output_ids,
+                    advantage=float(adv),
+                    old_logprobs=c.logprobs,
+                )
+                for c, adv in zip(completions, advantages)
+                if c.output_ids
+            ])
         if algo.needs_ref and algo.use_kl_loss:
             for sample, ref in zip(batch.samples, trainer.compute_logprobs("ref", batch)):
                 sample.ref_logprobs.extend(ref)
-        train_metrics, _ = trainer.train_step(batch)
+        train_metrics: dict[str, float] = {}
+        if self.critics is None or step > job.critic.warmup_steps:  # in critic warm-up the policy waits
+            train_metrics, _ = trainer.train_step(batch)
         slept = time.perf_counter()
         if job.trainer.offload:  # every sync of an offloaded trainer reads its host copy
             trainer.sleep()
@@ -397,10 +453,70 @@ class RLLoop:
             **({"sleep_s": t2 - slept} if job.trainer.offload else {}),
             **({"kl_reward_mean": float(kl_reward.mean())} if kl_reward is not None else {}),
             "weights_version": float(self.weights_version),
+            **critic_metrics,
             **{f"train/{k}": v for k, v in train_metrics.items()},
         }
         self.emit("step", step, metrics)
         return metrics
+
+    def _ppo_batch(self, completions: list[Completion], rewards: torch.Tensor) -> tuple[trainer_pb2.Batch, dict]:
+        """The actor's batch with GAE advantages per token, after one value-loss step of the critic.
+
+        Each response's token rewards are the outcome reward on its last token, minus
+        kl_coef * (logp - ref) on every token when the KL penalty is in the reward. The critic's
+        values (before its update) give GAE advantages and returns; the critic then regresses
+        onto the returns. Offloaded, the actor sleeps while the critic works and the critic
+        sleeps before the actor trains: one model is on the device at a time.
+        """
+        algo, started = self.job.algorithm, time.perf_counter()
+        outcome = rewards.reshape(-1).tolist()
+        scored = [i for i, c in enumerate(completions) if c.output_ids]
+        batch = trainer_pb2.Batch(samples=[
+            trainer_pb2.Sample(prompt_ids=completions[i].prompt_ids, response_ids=completions[i].output_ids,
+                               old_logprobs=completions[i].logprobs)
+            for i in scored
+        ])
+        token_rewards = [[0.0] * len(completions[i].output_ids) for i in scored]
+        metrics: dict[str, float] = {}
+        if algo.needs_ref and not algo.use_kl_loss and scored:
+            refs = self.trainers.compute_logprobs("ref", batch)
+            if self.job.trainer.offload:
+                self.trainers.sleep()
+            kl_total = 0.0
+            for row, i, ref in zip(token_rewards, scored, refs):
+                for t, (logp, ref_logp) in enumerate(zip(completions[i].logprobs, ref)):
+                    row[t] -= algo.kl_coef * (logp - ref_logp)
+                    kl_total += logp - ref_logp
+            metrics["kl_reward_mean"] = kl_total / len(completions)
+        for row, i in zip(token_rewards, scored):
+            row[-1] += outcome[i]
+        values = self.critics.compute_values(batch) if scored else []
+        estimates = [gae(r, v, algo.gamma, algo.lam) for r, v in zip(token_rewards, values)]
+        advantages = [a for a, _ in estimates]
+        returns = [r for _, r in estimates]
+        if algo.whiten_advantages:
+            advantages = whiten_tokens(advantages)
+        for sample, adv in zip(batch.samples, advantages):
+            sample.advantages.extend(adv)
+        critic_batch = trainer_pb2.Batch(samples=[
+            trainer_pb2.Sample(prompt_ids=s.prompt_ids, response_ids=s.response_ids, returns=r, old_values=v)
+            for s, r, v in zip(batch.samples, returns, values)
+        ])
+        critic_train, _ = self.critics.train_step(critic_batch, value=True) if scored else ({}, 0)
+        if self._critic_offload:
+            self.critics.sleep()
+        flat_values = [v for row in values for v in row]
+        flat_returns = [r for row in returns for r in row]
+        ev = explained_variance(flat_values, flat_returns)
+        metrics.update({
+            "value_loss": critic_train.get("value_loss", 0.0),
+            **({"explained_variance": ev} if ev == ev else {}),  # NaN when the returns do not vary
+            "values_mean": sum(flat_values) / max(len(flat_values), 1),
+            "returns_mean": sum(flat_returns) / max(len(flat_returns), 1),
+            "critic_s": time.perf_counter() - started,
+            **{f"critic/{k}": v for k, v in critic_train.items()},
+        })
+        return batch, metrics
 
     @staticmethod
     def _kl_in_reward(trainer: TrainerGroup, completions: list[Completion]) -> torch.Tensor:
@@ -487,6 +603,8 @@ class RLLoop:
         the stored ones."""
         resume = self.resume
         self.trainers.load_checkpoint(resume.path, load_optimizer=True)
+        if self.critics is not None:
+            self.critics.load_checkpoint(str(Path(resume.path) / CRITIC_DIR), load_optimizer=True)
         self.sync_weights(step=resume.step)
         self.emit("log", resume.step, {"message": f"resumed from the checkpoint of step {resume.step} ({resume.path})"})
         return dict(resume.evals_before)
@@ -515,6 +633,12 @@ class RLLoop:
         base = self.job.checkpoint.dir or Path(self.job.output_dir or "runs") / "checkpoints"
         directory = Path(base) / f"step-{step:06d}"
         self.trainers.save_checkpoint(str(directory))
+        if self.job.trainer.offload:  # saving woke it; offloaded, it sleeps whenever it is not training
+            self.trainers.sleep()
+        if self.critics is not None:  # the critic's own checkpoint, beside the policy's
+            self.critics.save_checkpoint(str(directory / CRITIC_DIR))
+            if self._critic_offload:
+                self.critics.sleep()
         self.emit("checkpoint", step, {"path": str(directory)})
 
     def _check_cancelled(self) -> None:
@@ -527,6 +651,8 @@ class RLLoop:
         self._pool.shutdown(wait=False, cancel_futures=True)
         if self.trainers is not None:
             self.trainers.close()
+        if self.critics is not None:
+            self.critics.close()
 
 
 def _groups(completions: list[Completion], n: int) -> list[list[Completion]]:
