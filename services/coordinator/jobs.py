@@ -339,7 +339,7 @@ class JobManager:
                     summary = self._run_loop(record.id, live, fleet, resume, writer, tracker)
                     break
                 except Exception as e:
-                    lost = lost_trainer_error(e, [t.address for t in fleet.trainers])
+                    lost = lost_trainer_error(e, [t.address for t in (*fleet.trainers, *fleet.critics)])
                     if lost is None:
                         raise
                     checkpoint = self._restart_point(record.id, lost, fleet, restarts)  # TrainerLost when none
@@ -397,7 +397,7 @@ class JobManager:
     def _restart_point(self, job_id: str, lost: PeerError, fleet: Fleet, restarts: int) -> Checkpoint:
         """The checkpoint a job that lost a trainer restarts from, announced in its log; TrainerLost
         saying why when it cannot restart (no checkpoint, or no restart left)."""
-        who = ", ".join(gone(fleet.trainers)) or lost.peer  # a rank's error can name a live peer
+        who = ", ".join(gone([*fleet.trainers, *fleet.critics])) or lost.peer  # a rank's error can name a live peer
         after = self.get(job_id).step
         what = f"trainer {who} lost after step {after} ({lost})"
         checkpoints = self.store.checkpoints(job_id)

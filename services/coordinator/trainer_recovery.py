@@ -1,5 +1,8 @@
 """A trainer lost mid-job: telling one from other failures, and waiting until the fleet answers again.
 
+A critic (PPO's value model) is a trainer server too: losing one is handled the same way, and
+the restarted loop loads its checkpoint (`<checkpoint>/critic`) with the policy's.
+
 A trainer process that dies (SIGKILL, an OOM kill, a drained node) fails the loop's next call to
 it with UNAVAILABLE (connection refused or reset; the other ranks' collectives with it fail the
 same way), with DEADLINE_EXCEEDED (a node gone without closing its connections), or, when it came
@@ -68,7 +71,7 @@ def gone(clients: list[TrainerClient]) -> list[str]:
 
 
 def close_clients(fleet: Fleet) -> None:
-    for client in (*fleet.trainers, *fleet.engines):
+    for client in (*fleet.trainers, *fleet.critics, *fleet.engines):
         client.close()
 
 
@@ -87,7 +90,7 @@ def wait_for_trainers(make_fleet: Callable[[JobConfig], Fleet], job: JobConfig, 
         except ValueError as e:  # not enough ready workers (yet)
             fleet, why = None, str(e)
         if fleet is not None:
-            silent = {a: e for a, e in probe(fleet.trainers).items() if isinstance(e, PeerError)}
+            silent = {a: e for a, e in probe([*fleet.trainers, *fleet.critics]).items() if isinstance(e, PeerError)}
             if not silent:
                 return fleet
             close_clients(fleet)

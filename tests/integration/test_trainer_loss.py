@@ -22,8 +22,8 @@ pytestmark = pytest.mark.faults
 ENV = {"OMP_NUM_THREADS": "1"}
 
 
-def _job(tmp_path, model, train, test, *, checkpoint_every: int, num_trainers: int = 1) -> str:
-    return textwrap.dedent(f"""
+def _job(tmp_path, model, train, test, *, checkpoint_every: int, num_trainers: int = 1, extra: str = "") -> str:
+    return extra + textwrap.dedent(f"""
         name: losing-trainer
         seed: 3
         model: {model}
@@ -191,3 +191,38 @@ def test_a_two_rank_trainer_group_that_loses_a_rank_resumes(tmp_path, tiny_model
             manager.close()
         stop_fleet(local, log_lines=10)
         stop_fleet(later, log_lines=10)
+
+
+def test_a_ppo_job_that_loses_its_critic_resumes_with_the_critics_checkpoint(tmp_path, tiny_model_dir, task_files):
+    train, test = task_files
+    local = LocalFleet(tmp_path / "logs", env=ENV)
+    later = LocalFleet(tmp_path / "logs-later", env=ENV)  # the critic pod after its restart
+    manager = None
+    try:
+        trainer = _trainer(local, "trainer-0", tmp_path)
+        critic = _trainer(local, "critic-0", tmp_path)
+        engine = local.start("rollout", "rollout-0", [])
+        local.wait_ready()
+        discovery = StaticDiscovery([trainer.address], [engine.address], [critic.address])
+        manager = JobManager(make_fleet(discovery, wait_s=30), runs_dir=tmp_path / "runs", trainer_wait_s=60)
+        ppo = "algorithm: {advantage: ppo}\ncritic: {optimizer: {lr: 0.01}}\n"
+        job = manager.create(_job(tmp_path, tiny_model_dir, train, test, checkpoint_every=2, extra=ppo), str(tmp_path))
+
+        def replace():
+            replacement = _trainer(later, "critic-0b", tmp_path)
+            later.wait_ready()
+            discovery._ready.replace([trainer.address], [engine.address], [replacement.address])
+
+        final = _run_losing(manager, job.id, critic, replace)
+        assert final.state == "succeeded", (final.error, _messages(manager, job.id)[-5:])
+        _assert_resumed_once(manager, job.id, critic.address, tmp_path / "out")
+        # the new critic went on from the step-2 critic: 8 value-loss steps in all, 6 of them its own
+        steps = [m for m in manager.store.step_metrics(job.id)]
+        assert all("value_loss" in m.metrics for m in steps)
+        assert (tmp_path / "out" / "checkpoints" / "step-000008" / "critic" / "value_head.safetensors").exists()
+    finally:
+        if manager is not None:
+            manager.close()
+        stop_fleet(local, log_lines=10)
+        stop_fleet(later, log_lines=10)
+
