@@ -13,6 +13,7 @@ for stage in "$@"; do
   echo "=== $stage ($(date +%T))"
   case $stage in
     engine-tests) timeout 300 python3 -m pytest -q --timeout 240 tests/gpu/test_engine_gpu.py tests/gpu/test_rollout_updates_gpu.py 2>&1 | tee "$OUT/engine-tests.log" | tail -40 ;;
+    ppo) timeout 420 python3 -m pytest -q --timeout 400 -rA -s tests/gpu/test_ppo_gpu.py 2>&1 | tee "$OUT/ppo-gpu.log" | grep -E "^actor|^rewards|PASS|FAIL|ERROR|passed|failed|^E " | tail -30 ;;
     lifecycle) timeout 120 python3 -m pytest -q --timeout 100 tests/gpu/test_lifecycle_gpu.py 2>&1 | tail -5 ;;
     service-tests) timeout 300 python3 -m pytest -q --timeout 240 -rA tests/gpu/test_never_mixed_gpu.py tests/gpu/test_seed_scenario_gpu.py 2>&1 | tee "$OUT/service-tests.log" | grep -E "^step|PASS|FAIL|passed|failed|^E " | tail -30 ;;
     gpu-tests) timeout 480 python3 -m pytest -q --timeout 240 -rA tests/gpu 2>&1 | tee "$OUT/gpu-tests.log" | grep -E "PASS|FAIL|ERROR|passed|failed|^E " | tail -60 ;;
