@@ -164,3 +164,27 @@ def test_rlfleet_run_starts_a_critic_for_ppo_only_and_prints_what_it_learns(tmp_
     assert proc.returncode == 0, err
     assert roles == {"rollout", "coordinator"}
     assert sorted(p.name for p in (tmp_path / "eval" / "logs").iterdir()) == ["coordinator.log", "rollout-0.log"]
+
+
+def test_two_critic_ranks_train_one_value_model(tmp_path):
+    local = LocalFleet(tmp_path / "logs", env={"OMP_NUM_THREADS": "1"})
+    try:
+        trainer = local.start("trainer", "trainer-0", ["--checkpoint-root", str(tmp_path)])
+        critics = [local.start("trainer", f"critic-{i}", ["--checkpoint-root", str(tmp_path)]) for i in range(2)]
+        rollout = local.start("rollout", "rollout-0", [])
+        local.wait_ready()
+        coordinator = local.start("coordinator", "coordinator", [
+            "--trainers", trainer.address, "--critics", ",".join(c.address for c in critics),
+            "--rollouts", rollout.address, "--db", "memory", "--runs-dir", str(tmp_path)])
+        local.wait_ready()
+        job = _ppo_job(tmp_path / "out", num_rollout=2, extra="checkpoint: {every: 2}\n").replace(
+            "critic: {warmup_steps: 2", "critic: {num_critics: 2, warmup_steps: 1")
+        final, events = run_job(coordinator.address, job, timeout_s=300)
+        assert final.state == coordinator_pb2.JOB_STATE_SUCCEEDED, final.error
+        statuses = [_status(c.address) for c in critics]
+        assert [(s.rank, s.world_size, s.step, s.role) for s in statuses] == [(0, 2, 2, "critic"), (1, 2, 2, "critic")]
+        assert "2 rank(s)" in " ".join(json.loads(e.data_json).get("message", "") for e in events if e.kind == "log")
+        # one model: the checkpoint rank 0 wrote holds the value head both ranks trained
+        assert (tmp_path / "out" / "checkpoints" / "step-000002" / "critic" / VALUE_HEAD_FILE).exists()
+    finally:
+        local.stop()
