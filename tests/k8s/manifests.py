@@ -18,9 +18,11 @@ CHART = ROOT / "deploy" / "k8s" / "helm" / "rlfleet"
 SERVICE_NAMES = {"coordinator": "rlfleet.v1.Coordinator", "trainer": "rlfleet.v1.Trainer", "rollout": "rlfleet.v1.Rollout"}
 WORKLOADS = ("Deployment", "StatefulSet", "Job")
 COMPONENT = "app.kubernetes.io/component"
-# Worker pod components: a colocated pod runs a trainer and a rollout engine, one container each.
-WORKERS = ("trainer", "rollout", "colocated")
-COMPONENTS = (*SERVICE_NAMES, "colocated")
+# Worker pod components: a colocated pod runs a trainer and a rollout engine, one container each; a
+# critic pod (PPO's value model) runs a trainer server, which the coordinator configures as a critic.
+WORKERS = ("trainer", "rollout", "colocated", "critic")
+COMPONENTS = (*SERVICE_NAMES, "colocated", "critic")
+SERVERS = {"critic": "trainer"}  # a container's `rlfleet serve` command, where it is not its name
 
 
 def _minor(version: str) -> tuple[int, int]:
@@ -172,6 +174,7 @@ def check_probes(objects: list[dict]) -> None:
             assert {p["name"]: p["containerPort"] for p in container(workload)["ports"]}["http"] == 8080
         for main in containers(workload):
             role = component if component != "colocated" else main["name"]
+            role = SERVERS.get(role, role)
             port = int(arg(main, "port"))
             assert main["args"][:2] == ["serve", role], workload["metadata"]["name"]
             grpc = [p for p in main["ports"] if p["name"].startswith("grpc")]

@@ -65,6 +65,21 @@ helm.sh/chart: {{ include "rlfleet.chart" .root }}
 {{- default "torch" (get $rollout "engine") }}
 {{- end }}
 
+{{/*
+Critic pods of the release: PPO's value model, trainer servers the coordinator configures with
+role critic. replicas.critics in train mode; none in eval mode, whatever replicas.critics says (an
+eval-only job builds no critic). Not beside colocated pods: a critic takes trainer.colocate from the
+job (services/coordinator/loop.py critic_config), and PPO with colocated trainers has never been run.
+*/}}
+{{- define "rlfleet.numCritics" -}}
+{{- if eq .Values.mode "train" }}
+{{- if and .Values.colocate.enabled (gt (int .Values.replicas.critics) 0) }}
+{{- fail (printf "replicas.critics: %d with colocate.enabled: the chart does not run critics beside colocated trainers (a critic would inherit trainer.colocate, and PPO with colocated trainers is untested); turn colocate off for PPO, or set replicas.critics: 0" (int .Values.replicas.critics)) }}
+{{- end }}
+{{- int .Values.replicas.critics }}
+{{- else }}0{{ end }}
+{{- end }}
+
 {{/* GPUs of one pod of a role (0 for the coordinator). Call with (dict "root" $ "role" "trainer"). */}}
 {{- define "rlfleet.gpus" -}}
 {{- int (get .root.Values.gpusPerPod .role | default 0) }}
@@ -109,9 +124,9 @@ Trainer pods exist in train mode, and in eval mode only when trainers must load 
 
 {{/*
 The job config as the coordinator reads it. model comes from model.path; the fleet sizes default
-to the replicas and may not exceed them. In eval mode num_rollout is 0 and what only training
-uses (trainer.optimizer, trainer.scheduler, sft) is dropped, so nothing can build an optimizer or
-a zero-length LR schedule for an eval.
+to the replicas and may not exceed them (critic.num_critics, for a PPO job, to replicas.critics).
+In eval mode num_rollout is 0 and what only training uses (trainer.optimizer, trainer.scheduler,
+sft, critic) is dropped, so nothing can build an optimizer or a zero-length LR schedule for an eval.
 */}}
 {{- define "rlfleet.jobConfig" -}}
 {{- if not .Values.job }}
@@ -127,11 +142,13 @@ a zero-length LR schedule for an eval.
 {{- $_ := set $job "model" .Values.model.path }}
 {{- $trainer := default dict (get $job "trainer") }}
 {{- $rollout := default dict (get $job "rollout") }}
+{{- $ppo := and (eq .Values.mode "train") (eq (toString (get (default dict (get $job "algorithm")) "advantage")) "ppo") }}
 {{- if eq .Values.mode "eval" }}
 {{- $_ := set $job "num_rollout" 0 }}
 {{- $_ := unset $trainer "optimizer" }}
 {{- $_ := unset $trainer "scheduler" }}
 {{- $_ := unset $job "sft" }}
+{{- $_ := unset $job "critic" }}
 {{- $eval := default dict (get $job "eval") }}
 {{- if not (get $eval "datasets") }}
 {{- fail "job.eval.datasets: an eval (mode eval) needs at least one eval dataset" }}
@@ -167,9 +184,36 @@ a zero-length LR schedule for an eval.
 {{- $_ := set $job "trainer" $trainer }}
 {{- end }}
 {{- $_ := set $job "rollout" $rollout }}
-{{- include "rlfleet.jobDevices" (dict "root" . "job" $job) }}
+{{- if $ppo }}
+{{- include "rlfleet.jobCritics" (dict "root" . "job" $job) }}
+{{- end }}
+{{- include "rlfleet.jobDevices" (dict "root" . "job" $job "critic" $ppo) }}
 {{- include "rlfleet.jobStorage" (dict "root" . "job" $job) }}
 {{- toYaml $job }}
+{{- end }}
+
+{{/*
+A PPO training job's critics: critic pods must exist (replicas.critics), critic.num_critics
+defaults to them and may not exceed them. A PPO job with colocate.enabled is refused here (with
+replicas.critics 0, rlfleet.numCritics would not refuse it). Edits .job in place.
+*/}}
+{{- define "rlfleet.jobCritics" -}}
+{{- $job := .job }}
+{{- $v := .root.Values }}
+{{- if $v.colocate.enabled }}
+{{- fail "job.algorithm.advantage: ppo runs critic pods, which the chart does not run beside colocated trainers (a critic would inherit trainer.colocate, and PPO with colocated trainers is untested); turn colocate.enabled off for a PPO job" }}
+{{- end }}
+{{- $num := int (include "rlfleet.numCritics" .root) }}
+{{- if lt $num 1 }}
+{{- fail "replicas.critics: 0, but job.algorithm.advantage is ppo, which trains a value model on critic pods; set replicas.critics: 1 or more (the chart sets job.critic.num_critics to it)" }}
+{{- end }}
+{{- $critic := default dict (get $job "critic") }}
+{{- if not (hasKey $critic "num_critics") }}
+{{- $_ := set $critic "num_critics" $num }}
+{{- else if gt (int $critic.num_critics) $num }}
+{{- fail (printf "job.critic.num_critics: %d is more than replicas.critics (%d)" (int $critic.num_critics) $num) }}
+{{- end }}
+{{- $_ := set $job "critic" $critic }}
 {{- end }}
 
 {{/* Rollout engines of the release and where that number comes from, as "N field":
@@ -186,25 +230,32 @@ replicas.trainers with colocate (an engine beside each trainer), else replicas.r
 The job's devices follow gpusPerPod, so a GPU a pod is given is a GPU the job computes on:
 trainer.device is cuda with trainer GPUs and cpu without; rollout.devices is [cuda] with rollout
 GPUs and [cpu] without (set explicitly: its default, the trainer's device, would put engines on a
-GPU their pod lacks). A device the job sets itself must agree. Edits .job in place.
+GPU their pod lacks); with .critic (a PPO job) critic.device likewise from gpusPerPod.critic (its
+default is the trainer's device too). A device the job sets itself must agree. Edits .job in place.
 */}}
 {{- define "rlfleet.jobDevices" -}}
 {{- $job := .job }}
-{{- $trainerGpus := int .root.Values.gpusPerPod.trainer }}
 {{- $rolloutGpus := int .root.Values.gpusPerPod.rollout }}
-{{- $trainer := default dict (get $job "trainer") }}
-{{- $device := toString (default (ternary "cuda" "cpu" (gt $trainerGpus 0)) (get $trainer "device")) }}
-{{- if and (gt $trainerGpus 0) (not (hasPrefix "cuda" $device)) }}
-{{- fail (printf "job.trainer.device: %s, but gpusPerPod.trainer is %d: a trainer pod's GPU would idle; leave job.trainer.device out (the chart sets cuda) or set gpusPerPod.trainer: 0" $device $trainerGpus) }}
+{{- $roles := list "trainer" }}
+{{- if .critic }}
+{{- $roles = append $roles "critic" }}
 {{- end }}
-{{- if and (eq $trainerGpus 0) (hasPrefix "cuda" $device) }}
-{{- fail (printf "job.trainer.device: %s, but gpusPerPod.trainer is 0: trainer pods have no GPU; set gpusPerPod.trainer: 1 (the chart then sets the device)" $device) }}
+{{- range $role := $roles }}
+{{- $gpus := int (get $.root.Values.gpusPerPod $role) }}
+{{- $section := default dict (get $job $role) }}
+{{- $device := toString (default (ternary "cuda" "cpu" (gt $gpus 0)) (get $section "device")) }}
+{{- if and (gt $gpus 0) (not (hasPrefix "cuda" $device)) }}
+{{- fail (printf "job.%s.device: %s, but gpusPerPod.%s is %d: a %s pod's GPU would idle; leave job.%s.device out (the chart sets cuda) or set gpusPerPod.%s: 0" $role $device $role $gpus $role $role $role) }}
+{{- end }}
+{{- if and (eq $gpus 0) (hasPrefix "cuda" $device) }}
+{{- fail (printf "job.%s.device: %s, but gpusPerPod.%s is 0: %s pods have no GPU; set gpusPerPod.%s: 1 (the chart then sets the device)" $role $device $role $role $role) }}
 {{- end }}
 {{- if and (hasPrefix "cuda:" $device) (ne $device "cuda:0") }}
-{{- fail (printf "job.trainer.device: %s, but a trainer pod sees its %d GPU as cuda:0; use cuda" $device $trainerGpus) }}
+{{- fail (printf "job.%s.device: %s, but a %s pod sees its %d GPU as cuda:0; use cuda" $role $device $role $gpus) }}
 {{- end }}
-{{- $_ := set $trainer "device" $device }}
-{{- $_ := set $job "trainer" $trainer }}
+{{- $_ := set $section "device" $device }}
+{{- $_ := set $job $role $section }}
+{{- end }}
 {{- $rollout := get $job "rollout" }}
 {{- $devices := default (list (ternary "cuda" "cpu" (gt $rolloutGpus 0))) (get $rollout "devices") }}
 {{- range $devices }}
@@ -246,15 +297,29 @@ coordinator puts it under --runs-dir (<sharedStorage.mountPath>/runs). Checks on
 {{- end }}
 {{- end }}
 
+{{/*
+Whose resources.<role>.<kind> (requests or limits) a role's pods take: the role's own, except that
+a critic without its own takes the trainer's (a critic holds a model of the policy's size, as a
+trainer does). Call with (dict "root" $ "role" "critic" "kind" "limits").
+*/}}
+{{- define "rlfleet.resourcesOwner" -}}
+{{- if and (eq .role "critic") (not (hasKey (default dict .root.Values.resources.critic) .kind)) }}trainer{{ else }}{{ .role }}{{ end }}
+{{- end }}
+
 {{/* Resource requests and limits of a role, with its GPUs: nvidia.com/gpu from the device plugin, or
 with claim (a colocated pod) the pod's GPU claim. Call with (dict "root" $ "role" "trainer" "claim" false). */}}
 {{- define "rlfleet.resources" -}}
-{{- $res := deepCopy (get .root.Values.resources .role) }}
-{{- $role := .role }}
+{{- $res := dict }}
+{{- $root := .root }}
 {{- range $kind := list "requests" "limits" }}
+{{- $owner := include "rlfleet.resourcesOwner" (dict "root" $root "role" $.role "kind" $kind) }}
+{{- $own := default dict (get $root.Values.resources $owner) }}
+{{- if hasKey $own $kind }}
+{{- $_ := set $res $kind (deepCopy (default dict (get $own $kind))) }}
+{{- end }}
 {{- range $name, $_ := (get $res $kind | default dict) }}
 {{- if hasSuffix "/gpu" $name }}
-{{- fail (printf "resources.%s.%s: %s: GPUs come from gpusPerPod (it also picks the CUDA image and the job's devices); remove it here%s" $role $kind $name (ternary " (the coordinator needs no GPU)" (printf " and set gpusPerPod.%s" $role) (eq $role "coordinator"))) }}
+{{- fail (printf "resources.%s.%s: %s: GPUs come from gpusPerPod (it also picks the CUDA image and the job's devices); remove it here%s" $owner $kind $name (ternary " (the coordinator needs no GPU)" (printf " and set gpusPerPod.%s" $owner) (eq $owner "coordinator"))) }}
 {{- end }}
 {{- end }}
 {{- end }}
@@ -450,8 +515,8 @@ tls.key and ca.crt, e.g. made by cert-manager). */}}
 {{- end }}
 
 {{/*
-Pod placement of a role: the role's block (coordinator, trainer, rollout or evalJob) merged over
-the global values, plus the toleration of the nvidia.com/gpu taint for a role with GPUs.
+Pod placement of a role: the role's block (coordinator, trainer, critic, rollout or evalJob) merged
+over the global values, plus the toleration of the nvidia.com/gpu taint for a role with GPUs.
 Call with (dict "root" $ "role" "trainer" "block" "trainer").
 */}}
 {{- define "rlfleet.scheduling" -}}
@@ -511,12 +576,12 @@ annotations:
 {{- end }}
 
 {{/*
-The role's scratch emptyDirs with their sizeLimits (scratch.*): /tmp on every pod, and on trainer
-and rollout pods a memory-backed /dev/shm (NCCL, gloo and the shm weight plane need more than the
-runtime's 64 MiB). tmpfs pages count against the pod's memory limit, so a /dev/shm allowed to grow
-past that limit would end in an OOM kill instead of ENOSPC: refused here. A colocated pod has the
-trainer's /dev/shm (its host copy is the big user) and a second /tmp for its rollout container
-(only "tmp", name "tmp-rollout"). Call with (dict "root" $ "role" "trainer" ["only" "tmp" "name" "tmp-rollout"]).
+The role's scratch emptyDirs with their sizeLimits (scratch.*): /tmp on every pod, and on trainer,
+critic and rollout pods a memory-backed /dev/shm (NCCL, gloo and the shm weight plane need more
+than the runtime's 64 MiB). tmpfs pages count against the pod's memory limit (a critic's: see
+rlfleet.resourcesOwner), so a /dev/shm allowed to grow past that limit would end in an OOM kill
+instead of ENOSPC: refused here. A colocated pod has the trainer's /dev/shm (its host copy is the
+big user) and a second /tmp for its rollout container (only "tmp", name "tmp-rollout"). Call with (dict "root" $ "role" "trainer" ["only" "tmp" "name" "tmp-rollout"]).
 */}}
 {{- define "rlfleet.scratchVolumes" -}}
 {{- $v := .root.Values }}
@@ -537,9 +602,10 @@ trainer's /dev/shm (its host copy is the big user) and a second /tmp for its rol
 {{- $shm := dict "medium" "Memory" }}
 {{- if $size }}
 {{- $_ := set $shm "sizeLimit" $size }}
-{{- $limit := get (default dict (get (get $v.resources .role) "limits")) "memory" }}
+{{- $owner := include "rlfleet.resourcesOwner" (dict "root" .root "role" .role "kind" "limits") }}
+{{- $limit := get (default dict (get (default dict (get $v.resources $owner)) "limits")) "memory" }}
 {{- if $limit }}
-{{- $limitField := printf "resources.%s.limits.memory" .role }}
+{{- $limitField := printf "resources.%s.limits.memory" $owner }}
 {{- if gt (float64 (include "rlfleet.bytes" (dict "value" $size "field" $field))) (float64 (include "rlfleet.bytes" (dict "value" $limit "field" $limitField))) }}
 {{- fail (printf "%s: %s is more than %s (%v): /dev/shm is memory-backed and counts against the pod's memory limit, so the pod would be OOM-killed before /dev/shm filled; lower it or raise the limit" $field $size $limitField $limit) }}
 {{- end }}
@@ -555,8 +621,9 @@ trainer's /dev/shm (its host copy is the big user) and a second /tmp for its rol
 {{- default (printf "%s-shared" (include "rlfleet.fullname" .)) .Values.sharedStorage.existingClaim }}
 {{- end }}
 
-{{/* The shared volume (sharedStorage), when on: read-write for the coordinator and trainers,
-read-only for rollout pods. Call with (dict "root" $ "role" "trainer"). */}}
+{{/* The shared volume (sharedStorage), when on: read-write for the coordinator, trainers and
+critics (a PPO checkpoint's critic/ folder), read-only for rollout pods.
+Call with (dict "root" $ "role" "trainer"). */}}
 {{- define "rlfleet.sharedVolume" -}}
 {{- if .root.Values.sharedStorage.enabled }}
 - name: shared

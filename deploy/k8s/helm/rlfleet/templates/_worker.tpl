@@ -6,10 +6,13 @@ ordinals are ranks. Eval mode: an Indexed batch/v1 Job per release revision
 (<fullname>-eval-<revision>-<component>), whose completion indexes are ranks and whose pods exit
 when the eval's coordinator calls Shutdown, so the eval's GPUs are freed when it ends.
 
-A component is trainer, rollout or colocated (a trainer and a rollout engine in one pod). Call
-with (dict "root" $ "component" "trainer" "replicas" N "containers" (list (dict "role" "trainer"
-"service" "rlfleet.v1.Trainer" "port" 50051 "metricsPort" 9400 "suffix" ""))): one container per
-entry; suffix tells the pod's port names apart (port names are unique per pod).
+A component is trainer, critic (a trainer server PPO jobs configure as their value model),
+rollout or colocated (a trainer and a rollout engine in one pod). Call with (dict "root" $
+"component" "trainer" "replicas" N "containers" (list (dict "role" "trainer" "service"
+"rlfleet.v1.Trainer" "port" 50051 "metricsPort" 9400 "suffix" ""))): one container per entry;
+"server" (default: role) is the `rlfleet serve` command when it differs from the role whose values
+(gpusPerPod, resources, scratch, placement) the container takes; suffix tells the pod's port names
+apart (port names are unique per pod).
 */}}
 {{- define "rlfleet.worker" -}}
 {{- $root := .root }}
@@ -171,22 +174,25 @@ spec:
 {{- end }}
 
 {{/*
-One worker container: `rlfleet serve <role>` on .port. Call with (dict "root" $ "component" "trainer"
-"role" "trainer" "service" "rlfleet.v1.Trainer" "port" 50051 "metricsPort" 9400 "suffix" "" "claim" false).
+One worker container: `rlfleet serve <server>` on .port (server defaults to role; a critic is
+`serve trainer`, with the trainer's checkpoint root and rendezvous ports). Call with (dict "root" $
+"component" "trainer" "role" "trainer" "service" "rlfleet.v1.Trainer" "port" 50051 "metricsPort"
+9400 "suffix" "" "claim" false).
 */}}
 {{- define "rlfleet.workerContainer" -}}
 {{- $root := .root }}
 {{- $colocated := eq .component "colocated" }}
+{{- $server := .server | default .role }}
 name: {{ .role }}
 image: {{ include "rlfleet.workerImage" (dict "root" $root "role" .role) }}
 imagePullPolicy: {{ $root.Values.image.pullPolicy }}
 args:
   - serve
-  - {{ .role }}
+  - {{ $server }}
   - --host=0.0.0.0
   - --port={{ .port }}
   - --log-level={{ $root.Values.logLevel }}
-  {{- if and (eq .role "trainer") $root.Values.sharedStorage.enabled }}
+  {{- if and (eq $server "trainer") $root.Values.sharedStorage.enabled }}
   # Checkpoints are written and read under the shared volume only, where the coordinator
   # (which names their paths) has it mounted as well.
   - --checkpoint-root={{ $root.Values.sharedStorage.mountPath }}
@@ -194,7 +200,7 @@ args:
   {{- if $root.Values.metrics.enabled }}
   - --metrics-port={{ .metricsPort }}
   {{- end }}
-  {{- if eq .role "trainer" }}
+  {{- if eq $server "trainer" }}
   # Rendezvous stores on fixed, declared ports (rank groups, weight sync); gloo and NCCL still
   # pick their data ports at run time.
   - --rank-store-port={{ $root.Values.storePorts.rank }}
@@ -215,7 +221,7 @@ ports:
     containerPort: {{ .metricsPort }}
     protocol: TCP
   {{- end }}
-  {{- if eq .role "trainer" }}
+  {{- if eq $server "trainer" }}
   - name: rank-store
     containerPort: {{ $root.Values.storePorts.rank }}
     protocol: TCP
