@@ -64,7 +64,7 @@ from services.coordinator.store import (
 )
 from services.coordinator.tracking import NullTracker, Tracker, build_tracker
 from services.coordinator.trainer_recovery import (
-    TrainerLost, close_clients, gone, lost_trainer_error, wait_for_trainers,
+    TrainerLost, close_clients, gone, lost_trainer_error, silent_trainer_error, wait_for_trainers,
 )
 
 __all__ = [
@@ -339,7 +339,8 @@ class JobManager:
                     summary = self._run_loop(record.id, live, fleet, resume, writer, tracker)
                     break
                 except Exception as e:
-                    lost = lost_trainer_error(e, [t.address for t in (*fleet.trainers, *fleet.critics)])
+                    workers = [*fleet.trainers, *fleet.critics]
+                    lost = lost_trainer_error(e, [t.address for t in workers]) or silent_trainer_error(e, workers)
                     if lost is None:
                         raise
                     checkpoint = self._restart_point(record.id, lost, fleet, restarts)  # TrainerLost when none

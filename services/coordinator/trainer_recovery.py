@@ -46,6 +46,21 @@ def lost_trainer_error(error: BaseException, trainers: Collection[str]) -> PeerE
     return None
 
 
+def silent_trainer_error(error: BaseException, clients: list[TrainerClient]) -> PeerError | None:
+    """After a failure that names no trainer (a sync whose engines all failed because the trainer
+    they pulled from died half-way), the first trainer that no longer answers at all, as a
+    PeerError that tells what failed; None when every trainer still answers (then the failure
+    was something else). Trainers that answer unconfigured do not count: before a job configures
+    them, all do."""
+    if isinstance(error, JobCancelled):
+        return None
+    for address, answer in probe(clients).items():
+        if isinstance(answer, PeerError):
+            return PeerError(address, "GetStatus", answer.code,
+                             f"does not answer after the job failed ({type(error).__name__}: {error})")
+    return None
+
+
 def _means_lost(error: PeerError) -> bool:
     if error.code in _LOST:
         return True

@@ -226,3 +226,48 @@ def test_a_ppo_job_that_loses_its_critic_resumes_with_the_critics_checkpoint(tmp
         stop_fleet(local, log_lines=10)
         stop_fleet(later, log_lines=10)
 
+
+
+def test_a_trainer_that_dies_during_a_sync_is_recognised_and_the_job_resumes(tmp_path, tiny_model_dir, task_files,
+                                                                               monkeypatch):
+    """A sync whose trainer dies half-way fails with the engines' errors only (WeightSyncFailed
+    names no trainer); the coordinator then finds the trainer silent and restarts the job all the same."""
+    from services.coordinator import loop as loop_module
+
+    train, test = task_files
+    local = LocalFleet(tmp_path / "logs", env=ENV)
+    later = LocalFleet(tmp_path / "logs-later", env=ENV)
+    manager = None
+    try:
+        trainer = _trainer(local, "trainer-0", tmp_path)
+        engine = local.start("rollout", "rollout-0", [])
+        local.wait_ready()
+        discovery = StaticDiscovery([trainer.address], [engine.address])
+        real_sync = loop_module.RLLoop.sync_weights
+
+        def dying_sync(self, step):
+            if step == 3 and self.fleet.trainers[0].address == trainer.address:  # the first trainer, mid-sync
+                os.kill(trainer.process.pid, signal.SIGKILL)
+                trainer.process.wait()
+                replacement = _trainer(later, "trainer-0b", tmp_path)
+                later.wait_ready()
+                discovery._ready.replace([replacement.address], [engine.address])
+                raise loop_module.WeightSyncFailed("weight sync to version 3 failed on every engine: {0: 'stream cut'}")
+            return real_sync(self, step)
+
+        monkeypatch.setattr(loop_module.RLLoop, "sync_weights", dying_sync)
+        manager = JobManager(make_fleet(discovery, wait_s=30), runs_dir=tmp_path / "runs", trainer_wait_s=60)
+        job = manager.create(_job(tmp_path, tiny_model_dir, train, test, checkpoint_every=2), str(tmp_path))
+        for _ in manager.watch(job.id):  # to the job's end
+            pass
+        final = manager.get(job.id)
+        messages = _messages(manager, job.id)
+        assert final.state == "succeeded", (final.error, messages[-5:])
+        restart = [m for m in messages if "resumes from its checkpoint of step 2" in m]
+        assert len(restart) == 1 and f"trainer {trainer.address} lost" in restart[0] and "WeightSyncFailed" in restart[0]
+        assert [m.step for m in manager.store.step_metrics(job.id)] == list(range(1, 9))
+    finally:
+        if manager is not None:
+            manager.close()
+        stop_fleet(local, log_lines=10)
+        stop_fleet(later, log_lines=10)
