@@ -10,6 +10,7 @@ import os
 import shutil
 import subprocess
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -63,7 +64,9 @@ def test_overlay_has_the_train_fleet_in_its_namespace(overlay):
     assert {o["metadata"].get("namespace") for o in objects} == {namespace}
     (binding,) = m.by_kind(objects, "RoleBinding")
     assert binding["subjects"][0]["namespace"] == namespace
-    assert {w["metadata"]["labels"][m.COMPONENT] for w in m.by_kind(objects, "StatefulSet")} == {"trainer", "rollout"}
+    replicas = {w["metadata"]["labels"][m.COMPONENT]: w["spec"]["replicas"] for w in m.by_kind(objects, "StatefulSet")}
+    assert set(replicas) == {"trainer", "critic", "rollout"}
+    assert replicas["critic"] == 0  # PPO's critics run only with components/ppo
     coordinator = m.one(objects, "Deployment", "coordinator")
     args = m.container(coordinator)["args"]
     assert "--http-port=8080" in args and m.resolved_arg(coordinator, "instance") == "rlfleet"
@@ -78,7 +81,7 @@ def test_only_the_gpu_overlay_asks_for_gpus_and_only_pods_with_gpus_run_cuda():
         for workload, meta, _ in m.pod_specs(objects):
             main = m.container(workload)
             gpus = main["resources"]["limits"].get("nvidia.com/gpu", 0)
-            worker = meta["labels"][m.COMPONENT] in ("trainer", "rollout")
+            worker = meta["labels"][m.COMPONENT] in ("trainer", "critic", "rollout")
             assert gpus == (1 if name == "gpu" and worker else 0), (name, workload["metadata"]["name"])
             assert main["resources"]["requests"].get("nvidia.com/gpu", 0) == gpus
             # The coordinator keeps the CPU image in the gpu overlay; a pod without GPUs says void,
@@ -101,10 +104,15 @@ def test_scratch_volumes_are_bounded_and_shm_fits_in_the_memory_limit():
 # ---------------------------------------------------------------------------- another fleet, same namespace
 
 
-def _second_fleet(tmp_path, base_overlay: str, instance: str) -> list[dict]:
+def _relative(tmp_path, path) -> str:
+    return os.path.relpath(path, tmp_path)  # kustomize refuses absolute roots
+
+
+def _second_fleet(tmp_path, base_overlay: str | Path, instance: str) -> list[dict]:
     """The pattern docs/deploy.md gives: an overlay that sets the instance label once (with the
-    selectors) and a name prefix, over an existing overlay."""
-    target = os.path.relpath(m.ROOT / "deploy" / "k8s" / "overlays" / base_overlay, tmp_path)  # kustomize refuses absolute roots
+    selectors) and a name prefix, over an existing overlay (by name, or a directory)."""
+    base = base_overlay if isinstance(base_overlay, Path) else m.ROOT / "deploy" / "k8s" / "overlays" / base_overlay
+    target = _relative(tmp_path, base)
     (tmp_path / "kustomization.yaml").write_text(textwrap.dedent(f"""\
         apiVersion: kustomize.config.k8s.io/v1beta1
         kind: Kustomization
@@ -149,7 +157,7 @@ def _assert_disjoint_discovery(*fleets: list[dict]) -> None:
         instance = m.resolved_arg(m.one(fleet, "Deployment", "coordinator"), "instance")
         selector = KubernetesDiscoveryConfig(namespace="ns", instance=instance).label_selector
         seen = [(j, labels[m.COMPONENT]) for j, labels in pods if selector_matches(selector, labels)]
-        assert sorted(seen) == [(i, "rollout"), (i, "trainer")], (instance, seen)
+        assert sorted(seen) == [(i, "critic"), (i, "rollout"), (i, "trainer")], (instance, seen)
 
 
 def test_the_sglang_overlay_runs_sglang_only_in_rollout_pods():
@@ -163,3 +171,69 @@ def test_the_sglang_overlay_runs_sglang_only_in_rollout_pods():
     dshm = next(v for v in rollout["spec"]["template"]["spec"]["volumes"] if v["name"] == "dshm")
     assert dshm["emptyDir"] == {"medium": "Memory", "sizeLimit": "16Gi"}
     assert m.container(rollout)["resources"]["limits"]["nvidia.com/gpu"] == 1
+
+
+# ---------------------------------------------------------------------------- PPO critics (components/ppo)
+
+
+def _with_ppo(directory, base_overlay: str) -> list[dict]:
+    """The overlay components/ppo documents: an existing overlay plus the component."""
+    directory.mkdir(parents=True, exist_ok=True)
+    overlay = _relative(directory, m.ROOT / "deploy" / "k8s" / "overlays" / base_overlay)
+    component = _relative(directory, m.ROOT / "deploy" / "k8s" / "components" / "ppo")
+    (directory / "kustomization.yaml").write_text(textwrap.dedent(f"""\
+        apiVersion: kustomize.config.k8s.io/v1beta1
+        kind: Kustomization
+        resources: [{overlay}]
+        components: [{component}]
+        """))
+    return m.load_all(_kustomize(directory))
+
+
+@pytest.mark.parametrize("base_overlay", ["cpu-dev", "gpu"])
+def test_the_ppo_component_runs_one_critic_wired_like_the_trainer(tmp_path, base_overlay):
+    objects = _with_ppo(tmp_path, base_overlay)
+    m.validate(objects)
+    m.check_labels_and_selectors(objects)
+    m.check_probes(objects)  # `serve trainer`, probed as rlfleet.v1.Trainer
+    m.check_security(objects)
+    m.check_rbac(objects)
+    m.check_discovery_wiring(objects)  # the coordinator's selector takes the critic pod
+    m.check_token_from_secret(objects, "rlfleet-token")
+    critic, trainer = m.one(objects, "StatefulSet", "critic"), m.one(objects, "StatefulSet", "trainer")
+    assert critic["spec"]["replicas"] == 1
+    assert critic["metadata"]["namespace"] == trainer["metadata"]["namespace"] == OVERLAYS[base_overlay]
+    # The instance label flows from the base's kustomization to the critic as to the trainer, and
+    # equals what the coordinator reads of its own pod through the downward API.
+    instance = m.resolved_arg(m.one(objects, "Deployment", "coordinator"), "instance")
+    for workload in (critic, m.one(objects, "Service", "critic")):
+        assert workload["metadata"]["labels"]["app.kubernetes.io/instance"] == instance
+    assert critic["spec"]["selector"]["matchLabels"]["app.kubernetes.io/instance"] == instance
+    assert critic["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/instance"] == instance
+    # What the overlay gives the trainer, the critic gets: image, arguments, env, resources, placement, volumes.
+    main, twin = m.container(critic), m.container(trainer)
+    assert main["name"] == "critic" and main["args"][:2] == ["serve", "trainer"]
+    for key in ("image", "args", "env", "resources", "volumeMounts", "ports"):
+        assert main[key] == twin[key], key
+    pod, twin_pod = critic["spec"]["template"]["spec"], trainer["spec"]["template"]["spec"]
+    assert pod.get("tolerations") == twin_pod.get("tolerations") and pod["volumes"] == twin_pod["volumes"]
+    # Everything else the overlay built is unchanged by the component.
+    plain = {(o["kind"], o["metadata"]["name"]): o for o in build(base_overlay)}
+    for obj in objects:
+        if obj is not critic:
+            assert plain[(obj["kind"], obj["metadata"]["name"])] == obj, obj["metadata"]["name"]
+
+
+def test_a_second_ppo_fleet_relabels_its_critic_too(tmp_path):
+    first = _with_ppo(tmp_path / "ppo", "cpu-dev")
+    (tmp_path / "team-b").mkdir()
+    second = _second_fleet(tmp_path / "team-b", tmp_path / "ppo", "team-b")
+    m.validate(second)
+    m.check_labels_and_selectors(second)
+    m.check_discovery_wiring(second)
+    critic = m.one(second, "StatefulSet", "critic")
+    assert critic["metadata"]["name"] == critic["spec"]["serviceName"] == "team-b-rlfleet-critic"
+    assert critic["spec"]["replicas"] == 1
+    assert critic["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/instance"] == "team-b"
+    assert critic["spec"]["selector"]["matchLabels"]["app.kubernetes.io/instance"] == "team-b"
+    _assert_disjoint_discovery(first, second)
