@@ -91,6 +91,21 @@ def test_a_ppo_job_trains_the_critic_alone_then_both_and_checkpoints_both(ppo_fl
     assert not (last / VALUE_HEAD_FILE).exists()  # the policy's checkpoint stays a plain policy folder
 
 
+def test_a_kl_penalty_in_the_reward_is_felt_once_the_policy_moves(ppo_fleet, tmp_path):
+    job = _ppo_job(tmp_path, num_rollout=4).replace(
+        "algorithm: {advantage: ppo, gamma: 1.0, lam: 0.95}",
+        "algorithm: {advantage: ppo, gamma: 1.0, lam: 1.0, kl_coef: 0.5, use_kl_loss: false}")
+    final, events = run_job(ppo_fleet["coordinator"], job, timeout_s=300)
+    assert final.state == coordinator_pb2.JOB_STATE_SUCCEEDED, final.error
+    steps = [json.loads(e.data_json) for e in events if e.kind == "step"]
+    # until the policy first moves (two critic-only steps, then its first step at step 3) the
+    # engine's policy is the reference and the penalty is the engine-vs-trainer gap, about 0;
+    # at step 4 it samples from a moved policy and the penalty is felt
+    assert all(abs(s["kl_reward_mean"]) < 1e-3 for s in steps[:3])
+    assert abs(steps[3]["kl_reward_mean"]) > 1e-4
+    assert "train/kl" not in steps[3] and "train/pg_loss" in steps[3]  # in the reward, not in the loss
+
+
 def test_an_eval_only_ppo_job_never_configures_a_critic(tmp_path, ppo_fleet):
     # a critic of its own that nothing else configures: after the eval it is still unconfigured
     local = LocalFleet(tmp_path / "logs", env={"OMP_NUM_THREADS": "1"})
