@@ -258,3 +258,43 @@ def test_an_eval_revision_sees_only_its_own_workers(cluster, api):
         assert cfg.label_selector.endswith(",rlfleet.dev/revision=3")
     finally:
         found.close()
+
+
+def ppo_job(tmp_path, num_critics: int):
+    text = f"""
+name: ppo
+model: {tmp_path}
+num_rollout: 4
+data: {{train: {tmp_path}/train.jsonl}}
+algorithm: {{advantage: ppo}}
+critic: {{num_critics: {num_critics}}}
+"""
+    return parse_job(text, tmp_path, check_files=False)
+
+
+def test_a_critic_pod_is_a_critic_not_a_trainer(tmp_path, api, discovery):
+    """component=critic (the chart's and kustomize's critic pods): handed out as critics in ordinal
+    order, never as trainers, and only while ready; a PPO job's fleet takes them as its critics."""
+    make_pod(api, "demo-critic-1", "critic", ip="10.0.4.2", ready=True)
+    make_pod(api, "demo-critic-0", "critic", ip="10.0.4.1", ready=True)
+    make_pod(api, "other-critic-0", "critic", instance="other", ip="10.9.4.1", ready=True)  # another release
+    make_pod(api, "demo-trainer-0", "trainer", ip="10.0.0.1", ready=True)
+    make_pod(api, "demo-rollout-0", "rollout", ip="10.0.1.1", ready=True)
+    discovery.start()
+    critics = ["10.0.4.1:50051", "10.0.4.2:50051"]
+    assert discovery.wait_until(lambda t, r: discovery.critics() == critics, WAIT_S), discovery.critics()
+    assert discovery.trainers() == ["10.0.0.1:50051"] and discovery.rollouts() == ["10.0.1.1:50051"]
+
+    fleet = make_fleet(discovery, wait_s=WAIT_S)(ppo_job(tmp_path, num_critics=2))
+    try:
+        assert [c.address for c in fleet.critics] == critics
+        assert [t.address for t in fleet.trainers] == ["10.0.0.1:50051"]
+    finally:
+        for client in [*fleet.engines, *fleet.trainers, *fleet.critics]:
+            client.close()
+
+    set_ready(api, "demo-critic-0", "10.0.4.1", ready=False)  # its readiness probe fails
+    assert discovery.wait_until(lambda t, r: discovery.critics() == ["10.0.4.2:50051"], WAIT_S), discovery.critics()
+    assert discovery.trainers() == ["10.0.0.1:50051"]
+    with pytest.raises(ValueError, match=r"critic.num_critics: job wants 2, 1 ready after 0.3 s"):
+        make_fleet(discovery, wait_s=0.3)(ppo_job(tmp_path, num_critics=2))
