@@ -100,8 +100,7 @@ class TorchCritic(TorchTrainer):
     def weights_for_sync(self) -> SyncWeights | None:
         raise TrainerStateError("a critic's weights are never synced to rollout engines; sync from the actor")
 
-    def save_checkpoint(self, path: str, *, include_optimizer: bool) -> None:
-        directory = Path(path)
+    def _write_checkpoint(self, directory: Path, include_optimizer: bool) -> None:
         self.use(ACTOR)
         checkpoint.begin(directory)
         checkpoint.write_weights(self.model, self.model_config, directory, self.settings.model_path)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from pathlib import Path
 
 import torch
 
@@ -261,7 +262,13 @@ class TorchTrainer:
 
     # ---- checkpoints -------------------------------------------------------------------------
     def save_checkpoint(self, path: str, *, include_optimizer: bool) -> None:
-        checkpoint.save(self, path, include_optimizer=include_optimizer)
+        """Rank 0 writes the whole checkpoint: every data-parallel rank holds the same weights and
+        optimizer state, and two ranks writing one folder would race on its files."""
+        if self.rank == 0:
+            self._write_checkpoint(Path(path), include_optimizer)
+
+    def _write_checkpoint(self, directory: Path, include_optimizer: bool) -> None:
+        checkpoint.save(self, str(directory), include_optimizer=include_optimizer)
 
     def load_checkpoint(self, path: str, *, load_optimizer: bool) -> None:
         """Load weights (and, unless eval-only, optimizer state when asked) from a checkpoint."""

@@ -5,11 +5,13 @@ with trainer restarts turned off, the job fails saying why; a cancel during the 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import textwrap
 import time
+from dataclasses import dataclass
 
 import pytest
 
@@ -35,6 +37,59 @@ def _job(tmp_path, model, train, test, *, checkpoint_every: int, num_trainers: i
         trainer: {{num_trainers: {num_trainers}, optimizer: {{lr: 0.01}}}}
         checkpoint: {{every: {checkpoint_every}}}
         """)
+
+
+@dataclass
+class _Fleet:
+    """Workers as local processes, a static discovery of them, and a JobManager over it; `later`
+    starts the processes that come back (a restarted pod) at other addresses."""
+
+    local: LocalFleet
+    later: LocalFleet
+    trainers: list
+    critics: list
+    engine: object
+    discovery: StaticDiscovery
+    manager: JobManager | None = None
+
+    def start_manager(self, tmp_path, **settings) -> JobManager:
+        self.manager = JobManager(make_fleet(self.discovery, wait_s=30), runs_dir=tmp_path / "runs", **settings)
+        return self.manager
+
+    def replace(self, tmp_path, name: str, *, trainer: int | None = None, critic: int | None = None):
+        """Start `name` and let discovery list it instead of trainer (or critic) number `index`."""
+        new = _trainer(self.later, name, tmp_path)
+        self.later.wait_ready()
+        trainers, _, critics = self.addresses()
+        if trainer is not None:
+            trainers[trainer] = new.address
+        if critic is not None:
+            critics[critic] = new.address
+        self.discovery._ready.replace(trainers, [self.engine.address], critics)
+        return new
+
+    def addresses(self) -> tuple[list[str], list[str], list[str]]:
+        return self.discovery.trainers(), self.discovery.rollouts(), self.discovery.critics()
+
+
+@contextlib.contextmanager
+def _fleet(tmp_path, trainers: int = 1, critics: int = 0):
+    local = LocalFleet(tmp_path / "logs", env=ENV)
+    later = LocalFleet(tmp_path / "logs-later", env=ENV)
+    fleet = None
+    try:
+        ts = [_trainer(local, f"trainer-{i}", tmp_path) for i in range(trainers)]
+        cs = [_trainer(local, f"critic-{i}", tmp_path) for i in range(critics)]
+        engine = local.start("rollout", "rollout-0", [])
+        local.wait_ready()
+        discovery = StaticDiscovery([t.address for t in ts], [engine.address], [c.address for c in cs])
+        fleet = _Fleet(local, later, ts, cs, engine, discovery)
+        yield fleet
+    finally:
+        if fleet is not None and fleet.manager is not None:
+            fleet.manager.close()
+        stop_fleet(local, log_lines=10)
+        stop_fleet(later, log_lines=10)
 
 
 def _trainer(local: LocalFleet, name: str, tmp_path):
@@ -78,31 +133,13 @@ def _assert_resumed_once(manager, job_id, lost_address: str, output_dir) -> None
 
 
 def test_a_job_resumes_from_its_checkpoint_on_a_replacement_trainer(tmp_path, tiny_model_dir, task_files):
-    train, test = task_files
-    local = LocalFleet(tmp_path / "logs", env=ENV)
-    later = LocalFleet(tmp_path / "logs-later", env=ENV)  # the trainer pod after its restart
-    manager = None
-    try:
-        trainer = _trainer(local, "trainer-0", tmp_path)
-        engine = local.start("rollout", "rollout-0", [])
-        local.wait_ready()
-        discovery = StaticDiscovery([trainer.address], [engine.address])
-        manager = JobManager(make_fleet(discovery, wait_s=30), runs_dir=tmp_path / "runs", trainer_wait_s=60)
-        job = manager.create(_job(tmp_path, tiny_model_dir, train, test, checkpoint_every=2), str(tmp_path))
-
-        def replace():
-            replacement = _trainer(later, "trainer-0b", tmp_path)  # ...comes back at another address
-            later.wait_ready()
-            discovery._ready.replace([replacement.address], [engine.address])
-
-        final = _run_losing(manager, job.id, trainer, replace)
+    with _fleet(tmp_path) as fleet:
+        manager = fleet.start_manager(tmp_path, trainer_wait_s=60)
+        job = manager.create(_job(tmp_path, tiny_model_dir, *task_files, checkpoint_every=2), str(tmp_path))
+        # the trainer pod dies... and comes back at another address
+        final = _run_losing(manager, job.id, fleet.trainers[0], lambda: fleet.replace(tmp_path, "trainer-0b", trainer=0))
         assert final.state == "succeeded", (final.error, _messages(manager, job.id)[-5:])
-        _assert_resumed_once(manager, job.id, trainer.address, tmp_path / "out")
-    finally:
-        if manager is not None:
-            manager.close()
-        stop_fleet(local, log_lines=10)
-        stop_fleet(later, log_lines=10)
+        _assert_resumed_once(manager, job.id, fleet.trainers[0].address, tmp_path / "out")
 
 
 @pytest.mark.parametrize(("checkpoint_every", "restarts", "why"), [
@@ -111,45 +148,27 @@ def test_a_job_resumes_from_its_checkpoint_on_a_replacement_trainer(tmp_path, ti
 ], ids=["without-checkpoints", "restarts-off"])
 def test_a_job_that_cannot_restart_fails_saying_why(tmp_path, tiny_model_dir, task_files, checkpoint_every,
                                                     restarts, why):
-    train, test = task_files
-    local = LocalFleet(tmp_path / "logs", env=ENV)
-    manager = None
-    try:
-        trainer = _trainer(local, "trainer-0", tmp_path)
-        engine = local.start("rollout", "rollout-0", [])
-        local.wait_ready()
-        discovery = StaticDiscovery([trainer.address], [engine.address])
-        manager = JobManager(make_fleet(discovery, wait_s=30), runs_dir=tmp_path / "runs", trainer_restarts=restarts)
-        job = manager.create(_job(tmp_path, tiny_model_dir, train, test, checkpoint_every=checkpoint_every),
+    with _fleet(tmp_path) as fleet:
+        manager = fleet.start_manager(tmp_path, trainer_restarts=restarts)
+        job = manager.create(_job(tmp_path, tiny_model_dir, *task_files, checkpoint_every=checkpoint_every),
                              str(tmp_path))
         started = time.monotonic()
-        final = _run_losing(manager, job.id, trainer)
+        final = _run_losing(manager, job.id, fleet.trainers[0])
         assert time.monotonic() - started < 60  # it fails at once: there is nothing to wait for
         assert final.state == "failed"
-        assert final.error.startswith(f"TrainerLost: trainer {trainer.address} lost after step 3"), final.error
+        assert final.error.startswith(f"TrainerLost: trainer {fleet.trainers[0].address} lost after step 3"), final.error
         assert why in final.error, final.error
         assert not any("resumes from" in m for m in _messages(manager, job.id))
-    finally:
-        if manager is not None:
-            manager.close()
-        stop_fleet(local, log_lines=10)
 
 
 def test_a_job_waiting_for_its_lost_trainer_can_be_cancelled(tmp_path, tiny_model_dir, task_files):
-    train, test = task_files
-    local = LocalFleet(tmp_path / "logs", env=ENV)
-    manager = None
-    try:
-        trainer = _trainer(local, "trainer-0", tmp_path)
-        engine = local.start("rollout", "rollout-0", [])
-        local.wait_ready()
-        discovery = StaticDiscovery([trainer.address], [engine.address])  # the dead address stays listed
-        manager = JobManager(make_fleet(discovery, wait_s=30), runs_dir=tmp_path / "runs", trainer_wait_s=600)
-        job = manager.create(_job(tmp_path, tiny_model_dir, train, test, checkpoint_every=2), str(tmp_path))
+    with _fleet(tmp_path) as fleet:  # the dead address stays listed
+        manager = fleet.start_manager(tmp_path, trainer_wait_s=600)
+        job = manager.create(_job(tmp_path, tiny_model_dir, *task_files, checkpoint_every=2), str(tmp_path))
         killed, cancelled_at = False, None
         for event in manager.watch(job.id):
             if event.kind == "step" and event.step == 3 and not killed:
-                os.kill(trainer.process.pid, signal.SIGKILL)
+                os.kill(fleet.trainers[0].process.pid, signal.SIGKILL)
                 killed = True
             if event.kind == "log" and "resumes from its checkpoint" in event.data["message"]:
                 manager.cancel(job.id)
@@ -157,75 +176,32 @@ def test_a_job_waiting_for_its_lost_trainer_can_be_cancelled(tmp_path, tiny_mode
         final = manager.get(job.id)
         assert final.state == "cancelled", (final.error, _messages(manager, job.id)[-5:])
         assert time.monotonic() - cancelled_at < 5  # not at the end of the 600 s wait
-    finally:
-        if manager is not None:
-            manager.close()
-        stop_fleet(local, log_lines=10)
 
 
 def test_a_two_rank_trainer_group_that_loses_a_rank_resumes(tmp_path, tiny_model_dir, task_files):
-    train, test = task_files
-    local = LocalFleet(tmp_path / "logs", env=ENV)
-    later = LocalFleet(tmp_path / "logs-later", env=ENV)
-    manager = None
-    try:
-        rank0, rank1 = _trainer(local, "trainer-0", tmp_path), _trainer(local, "trainer-1", tmp_path)
-        engine = local.start("rollout", "rollout-0", [])
-        local.wait_ready()
-        discovery = StaticDiscovery([rank0.address, rank1.address], [engine.address])
-        manager = JobManager(make_fleet(discovery, wait_s=30), runs_dir=tmp_path / "runs", trainer_wait_s=60)
-        job = manager.create(_job(tmp_path, tiny_model_dir, train, test, checkpoint_every=2, num_trainers=2),
+    with _fleet(tmp_path, trainers=2) as fleet:
+        manager = fleet.start_manager(tmp_path, trainer_wait_s=60)
+        job = manager.create(_job(tmp_path, tiny_model_dir, *task_files, checkpoint_every=2, num_trainers=2),
                              str(tmp_path))
-
-        def replace():
-            replacement = _trainer(later, "trainer-1b", tmp_path)
-            later.wait_ready()
-            discovery._ready.replace([rank0.address, replacement.address], [engine.address])
-
-        final = _run_losing(manager, job.id, rank1, replace)
+        rank1 = fleet.trainers[1]
+        final = _run_losing(manager, job.id, rank1, lambda: fleet.replace(tmp_path, "trainer-1b", trainer=1))
         assert final.state == "succeeded", (final.error, _messages(manager, job.id)[-5:])
         # rank 0 lived on and was configured again, into a group with the new rank 1
         _assert_resumed_once(manager, job.id, rank1.address, tmp_path / "out")
-    finally:
-        if manager is not None:
-            manager.close()
-        stop_fleet(local, log_lines=10)
-        stop_fleet(later, log_lines=10)
 
 
 def test_a_ppo_job_that_loses_its_critic_resumes_with_the_critics_checkpoint(tmp_path, tiny_model_dir, task_files):
-    train, test = task_files
-    local = LocalFleet(tmp_path / "logs", env=ENV)
-    later = LocalFleet(tmp_path / "logs-later", env=ENV)  # the critic pod after its restart
-    manager = None
-    try:
-        trainer = _trainer(local, "trainer-0", tmp_path)
-        critic = _trainer(local, "critic-0", tmp_path)
-        engine = local.start("rollout", "rollout-0", [])
-        local.wait_ready()
-        discovery = StaticDiscovery([trainer.address], [engine.address], [critic.address])
-        manager = JobManager(make_fleet(discovery, wait_s=30), runs_dir=tmp_path / "runs", trainer_wait_s=60)
+    with _fleet(tmp_path, critics=1) as fleet:
+        manager = fleet.start_manager(tmp_path, trainer_wait_s=60)
         ppo = "algorithm: {advantage: ppo}\ncritic: {optimizer: {lr: 0.01}}\n"
-        job = manager.create(_job(tmp_path, tiny_model_dir, train, test, checkpoint_every=2, extra=ppo), str(tmp_path))
-
-        def replace():
-            replacement = _trainer(later, "critic-0b", tmp_path)
-            later.wait_ready()
-            discovery._ready.replace([trainer.address], [engine.address], [replacement.address])
-
-        final = _run_losing(manager, job.id, critic, replace)
+        job = manager.create(_job(tmp_path, tiny_model_dir, *task_files, checkpoint_every=2, extra=ppo), str(tmp_path))
+        critic = fleet.critics[0]  # the critic pod dies and comes back elsewhere
+        final = _run_losing(manager, job.id, critic, lambda: fleet.replace(tmp_path, "critic-0b", critic=0))
         assert final.state == "succeeded", (final.error, _messages(manager, job.id)[-5:])
         _assert_resumed_once(manager, job.id, critic.address, tmp_path / "out")
-        # the new critic went on from the step-2 critic: 8 value-loss steps in all, 6 of them its own
-        steps = [m for m in manager.store.step_metrics(job.id)]
-        assert all("value_loss" in m.metrics for m in steps)
+        # the new critic went on from the step-2 critic checkpoint, and checkpointed its own
+        assert all("value_loss" in m.metrics for m in manager.store.step_metrics(job.id))
         assert (tmp_path / "out" / "checkpoints" / "step-000008" / "critic" / "value_head.safetensors").exists()
-    finally:
-        if manager is not None:
-            manager.close()
-        stop_fleet(local, log_lines=10)
-        stop_fleet(later, log_lines=10)
-
 
 
 def test_a_trainer_that_dies_during_a_sync_is_recognised_and_the_job_resumes(tmp_path, tiny_model_dir, task_files,
@@ -234,30 +210,21 @@ def test_a_trainer_that_dies_during_a_sync_is_recognised_and_the_job_resumes(tmp
     names no trainer); the coordinator then finds the trainer silent and restarts the job all the same."""
     from services.coordinator import loop as loop_module
 
-    train, test = task_files
-    local = LocalFleet(tmp_path / "logs", env=ENV)
-    later = LocalFleet(tmp_path / "logs-later", env=ENV)
-    manager = None
-    try:
-        trainer = _trainer(local, "trainer-0", tmp_path)
-        engine = local.start("rollout", "rollout-0", [])
-        local.wait_ready()
-        discovery = StaticDiscovery([trainer.address], [engine.address])
+    with _fleet(tmp_path) as fleet:
+        trainer = fleet.trainers[0]
         real_sync = loop_module.RLLoop.sync_weights
 
         def dying_sync(self, step):
             if step == 3 and self.fleet.trainers[0].address == trainer.address:  # the first trainer, mid-sync
                 os.kill(trainer.process.pid, signal.SIGKILL)
                 trainer.process.wait()
-                replacement = _trainer(later, "trainer-0b", tmp_path)
-                later.wait_ready()
-                discovery._ready.replace([replacement.address], [engine.address])
+                fleet.replace(tmp_path, "trainer-0b", trainer=0)
                 raise loop_module.WeightSyncFailed("weight sync to version 3 failed on every engine: {0: 'stream cut'}")
             return real_sync(self, step)
 
         monkeypatch.setattr(loop_module.RLLoop, "sync_weights", dying_sync)
-        manager = JobManager(make_fleet(discovery, wait_s=30), runs_dir=tmp_path / "runs", trainer_wait_s=60)
-        job = manager.create(_job(tmp_path, tiny_model_dir, train, test, checkpoint_every=2), str(tmp_path))
+        manager = fleet.start_manager(tmp_path, trainer_wait_s=60)
+        job = manager.create(_job(tmp_path, tiny_model_dir, *task_files, checkpoint_every=2), str(tmp_path))
         for _ in manager.watch(job.id):  # to the job's end
             pass
         final = manager.get(job.id)
@@ -266,8 +233,3 @@ def test_a_trainer_that_dies_during_a_sync_is_recognised_and_the_job_resumes(tmp
         restart = [m for m in messages if "resumes from its checkpoint of step 2" in m]
         assert len(restart) == 1 and f"trainer {trainer.address} lost" in restart[0] and "WeightSyncFailed" in restart[0]
         assert [m.step for m in manager.store.step_metrics(job.id)] == list(range(1, 9))
-    finally:
-        if manager is not None:
-            manager.close()
-        stop_fleet(local, log_lines=10)
-        stop_fleet(later, log_lines=10)
