@@ -90,10 +90,14 @@ def _raise_terminated(signum, frame) -> None:
 def run_local(job: JobConfig, job_path: Path, args: argparse.Namespace) -> int:
     started = time.time()
     previous = signal.signal(signal.SIGTERM, _raise_terminated)  # stop the services, never orphan them
+    # Python leaves SIGINT ignored when it started ignored (a shell's background job, nohup scripts):
+    # a `kill -INT` from whoever runs us must still stop the services.
+    previous_int = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         return _run_local(job, job_path, args, started)
     finally:
         signal.signal(signal.SIGTERM, previous)
+        signal.signal(signal.SIGINT, previous_int)
 
 
 def _run_local(job: JobConfig, job_path: Path, args: argparse.Namespace, started: float) -> int:
