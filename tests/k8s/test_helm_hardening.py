@@ -286,3 +286,14 @@ def test_the_image_installs_against_constraints_made_from_the_tested_environment
     assert re.search(r"COPY [^\n]*constraints\.txt", runtime)
     assert 'pip install --no-cache-dir -c constraints.txt ".[k8s,megatron]"' in runtime
     assert constraints.IMAGE_EXTRAS == ("k8s", "megatron")
+
+
+def test_the_trainer_restart_budget_reaches_the_coordinator(chart):
+    def coordinator_args(objects):
+        return m.container(pods(objects)["coordinator"][0])["args"]
+
+    assert "--trainer-restarts=3" in coordinator_args(rendered(chart, mode="train"))
+    assert "--trainer-restarts=0" in coordinator_args(rendered(chart, mode="train", discovery={"trainerRestarts": 0}))
+    with pytest.raises(helm.HelmValuesError, match="trainerRestarts"):
+        chart.render(values(mode="train", discovery={"trainerRestarts": -1}), name=RELEASE, namespace=NAMESPACE)
+

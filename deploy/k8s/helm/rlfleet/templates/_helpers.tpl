@@ -672,6 +672,7 @@ Call with (dict "root" $ "role" "trainer"). */}}
 - --colocated-rollout-port=50052
 {{- end }}
 - --discovery-wait-s={{ .Values.discovery.waitSeconds }}
+- --trainer-restarts={{ .Values.discovery.trainerRestarts }}
 - --log-level={{ .Values.logLevel }}
 {{- if .Values.token.existingSecret }}
 - --token-file=/var/run/secrets/rlfleet/token
