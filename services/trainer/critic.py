@@ -81,9 +81,10 @@ class TorchCritic(TorchTrainer):
     def compute_logprobs(self, tag: str, samples: list[Sample]) -> tuple[list[list[float]], float]:
         raise TrainerStateError("ComputeLogProbs: this trainer is a critic; ask the actor (a critic has ComputeValues)")
 
-    def train_step(self, samples: list[Sample], *, sft: bool = False, lr: float | None = None) -> StepResult:
-        if sft:
-            raise TrainerStateError("TrainStep: a critic trains only with the value loss (LOSS_KIND_VALUE), not SFT")
+    def train_step(self, samples: list[Sample], *, sft: bool = False, value: bool = False,
+                   lr: float | None = None) -> StepResult:
+        if not value:
+            raise TrainerStateError("TrainStep: a critic trains only with the value loss (LOSS_KIND_VALUE)")
         missing = next((i for i, s in enumerate(samples) if not s.returns), None)
         if missing is not None:
             raise ValueError(f"batch.samples[{missing}].returns: the value loss needs returns for every response token")

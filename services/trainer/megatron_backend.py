@@ -116,8 +116,8 @@ class MegatronTrainer(TorchTrainer):
                 p.grad.mul_(scale.to(p.grad.dtype))
         return norm
 
-    def train_step(self, samples: list[Sample], *, sft: bool = False, lr: float | None = None):
-        result = super().train_step(samples, sft=sft, lr=lr)
+    def train_step(self, samples: list[Sample], *, sft: bool = False, value: bool = False, lr: float | None = None):
+        result = super().train_step(samples, sft=sft, value=value, lr=lr)
         if self._split:
             self._export()
         return result

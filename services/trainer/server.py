@@ -255,25 +255,18 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
     def ComputeValues(self, request, context):
         with self._mutating(), rpc.abort_on(context, _ERRORS):
             trainer = self._require(context)
-            if trainer.settings.role != "critic":
-                raise TrainerStateError("ComputeValues: this trainer is an actor; values come from a critic "
-                                        "(a trainer configured with role: critic)")
             values = trainer.compute_values(samples_from_proto(request.batch))
             return trainer_pb2.ComputeValuesResponse(results=[trainer_pb2.TokenValues(values=v) for v in values])
 
     def TrainStep(self, request, context):
         with self._mutating(), rpc.abort_on(context, _ERRORS):
             trainer = self._require(context)
-            critic = trainer.settings.role == "critic"
-            if critic != (request.loss == trainer_pb2.LOSS_KIND_VALUE):
-                raise TrainerStateError(
-                    "TrainStep: a critic trains only with loss LOSS_KIND_VALUE" if critic else
-                    "TrainStep: LOSS_KIND_VALUE trains a critic; this trainer is an actor")
             samples = samples_from_proto(request.batch)
             with self.metrics.step_seconds.time():
                 result = trainer.train_step(
                     samples,
                     sft=request.loss == trainer_pb2.LOSS_KIND_SFT,
+                    value=request.loss == trainer_pb2.LOSS_KIND_VALUE,
                     lr=request.lr if request.lr != 0 else None,  # 0: unset; NaN, inf and < 0 are refused
                 )
             self.metrics.steps.inc()

@@ -342,9 +342,17 @@ class TorchTrainer:
         """Refuse a bad batch on every rank alike, before any rank enters a collective."""
         pack(samples, pad_id=self.pad_id, vocab_size=self.model_config.vocab_size, device="cpu")
 
-    def train_step(self, samples: list[Sample], *, sft: bool = False, lr: float | None = None) -> StepResult:
+    def compute_values(self, samples: list[Sample]) -> list[list[float]]:
+        raise TrainerStateError("ComputeValues: this trainer is an actor; values come from a critic "
+                                "(a trainer configured with role: critic)")
+
+    def train_step(self, samples: list[Sample], *, sft: bool = False, value: bool = False,
+                   lr: float | None = None) -> StepResult:
         """One optimizer step over the whole batch. With `lr`, that learning rate is used for this
-        step only and the schedule does not advance (warm-up stages such as SFT before RL)."""
+        step only and the schedule does not advance (warm-up stages such as SFT before RL).
+        `value` (the value loss) is a critic's step: an actor refuses it."""
+        if value:
+            raise TrainerStateError("TrainStep: LOSS_KIND_VALUE trains a critic; this trainer is an actor")
         if self.optimizer is None:
             raise TrainerStateError("TrainStep: this trainer was configured eval_only and has no optimizer")
         if lr is not None and not (math.isfinite(lr) and lr >= 0):

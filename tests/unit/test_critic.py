@@ -58,7 +58,7 @@ def test_a_critic_starts_at_zero_and_regresses_its_values_onto_the_returns(tiny_
     first = critic.compute_values(samples)
     assert [len(v) for v in first] == [3, 1]  # one value per response token
     assert all(v == 0.0 for row in first for v in row)  # a fresh head: every value is 0
-    losses = [critic.train_step(samples).metrics["value_loss"] for _ in range(40)]
+    losses = [critic.train_step(samples, value=True).metrics["value_loss"] for _ in range(40)]
     after = critic.compute_values(samples)
     assert losses[-1] < 0.1 * losses[0]
     for row, want in zip(after, targets):
@@ -73,10 +73,20 @@ def test_a_critic_refuses_policy_calls_and_never_serves_weights(tiny_model_dir):
         critic.weights_for_sync()
     with pytest.raises(TrainerStateError, match="value loss"):
         critic.train_step(_samples([[0.0] * 3, [0.0]]), sft=True)
+    with pytest.raises(TrainerStateError, match="value loss"):
+        critic.train_step(_samples([[0.0] * 3, [0.0]]))  # the policy loss
     with pytest.raises(ValueError, match=r"samples\[0\]\.returns"):
-        critic.train_step([Sample(prompt_ids=[3], response_ids=[4])])
+        critic.train_step([Sample(prompt_ids=[3], response_ids=[4])], value=True)
     with pytest.raises(ValueError, match="non-finite|not a finite"):
-        critic.train_step(_samples([[float("nan"), 0.0, 0.0], [0.0]]))
+        critic.train_step(_samples([[float("nan"), 0.0, 0.0], [0.0]]), value=True)
+
+
+def test_an_actor_refuses_the_critics_calls(tiny_model_dir):
+    actor = build_backend(dataclasses.replace(_settings(tiny_model_dir), role="actor", loss=LossSettings()))
+    with pytest.raises(TrainerStateError, match="this trainer is an actor"):
+        actor.compute_values(_samples([[0.0] * 3, [0.0]]))
+    with pytest.raises(TrainerStateError, match="LOSS_KIND_VALUE trains a critic"):
+        actor.train_step(_samples([[0.0] * 3, [0.0]]), value=True)
 
 
 @pytest.mark.parametrize("overrides, message", [
@@ -94,7 +104,7 @@ def test_sleep_and_wake_keep_the_critics_values(tiny_model_dir):
     critic = build_backend(_settings(tiny_model_dir, offload=True))
     samples = _samples([[1.0, 1.0, 1.0], [1.0]])
     for _ in range(3):
-        critic.train_step(samples)
+        critic.train_step(samples, value=True)
     before = critic.compute_values(samples)
     state = critic.sleep()
     assert state.asleep and state.host_backup_bytes > 0
@@ -106,7 +116,7 @@ def test_a_critic_checkpoint_is_a_policy_folder_plus_its_head(tmp_path, tiny_mod
     critic = build_backend(_settings(tiny_model_dir))
     samples = _samples([[1.0, 0.0, -1.0], [0.5]])
     for _ in range(3):
-        critic.train_step(samples)
+        critic.train_step(samples, value=True)
     values = critic.compute_values(samples)
     folder = tmp_path / "critic"
     critic.save_checkpoint(str(folder), include_optimizer=True)
