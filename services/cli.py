@@ -113,12 +113,16 @@ def _stop_workers(args: argparse.Namespace, discovery, log) -> None:
     if discovery is not None:
         trainers, rollouts = discovery.trainers() + discovery.critics(), discovery.rollouts()
     else:
-        trainers = [a for a in f"{args.trainers or ''},{args.critics or ''}".split(",") if a]
-        rollouts = [a for a in (args.rollouts or "").split(",") if a]
+        trainers, rollouts = _addresses(args.trainers) + _addresses(args.critics), _addresses(args.rollouts)
     missed = shutdown_workers(trainers, rollouts, _read_token(args.worker_token_file, "RLFLEET_WORKER_TOKEN"),
                               "the coordinator's one job has finished")
     log.info("asked %d workers to exit%s", len(trainers) + len(rollouts),
              f"; could not reach {', '.join(missed)}" if missed else "")
+
+
+def _addresses(flag: str | None) -> list[str]:
+    """A comma-separated address list flag (--trainers, --rollouts, --critics) as a list."""
+    return [a for a in (flag or "").split(",") if a]
 
 
 # ---- coordinator: worker discovery (--discovery) ------------------------------------------------
@@ -127,10 +131,8 @@ def _worker_fleet(args: argparse.Namespace, token: str | None):
     if args.discovery == "static":
         from services.coordinator.fleet import static_fleet
 
-        trainers = [a for a in (args.trainers or "").split(",") if a]
-        rollouts = [a for a in (args.rollouts or "").split(",") if a]
-        critics = [a for a in (args.critics or "").split(",") if a]
-        return static_fleet(trainers, rollouts, token, critics), None
+        return static_fleet(_addresses(args.trainers), _addresses(args.rollouts), token,
+                            _addresses(args.critics)), None
     from services.coordinator.discovery import make_fleet
 
     try:

@@ -684,6 +684,11 @@ class JobConfig:
         return self.critic.num_critics if self.needs_critic else 0
 
     @property
+    def critic_offload(self) -> bool:
+        """Whether critics sleep between their turns: critic.offload, or the trainer's when unset."""
+        return self.trainer.offload if self.critic.offload is None else self.critic.offload
+
+    @property
     def rewards(self) -> list[RewardConfig]:
         """Every reward the job scores with: its own and those eval datasets set for themselves."""
         return [self.reward, *(d.reward for d in self.eval.datasets if d.reward)]

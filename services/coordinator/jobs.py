@@ -64,7 +64,7 @@ from services.coordinator.store import (
 )
 from services.coordinator.tracking import NullTracker, Tracker, build_tracker
 from services.coordinator.trainer_recovery import (
-    TrainerLost, close_clients, gone, lost_trainer_error, silent_trainer_error, wait_for_trainers,
+    TrainerLost, close_clients, gone, lost_trainer, wait_for_trainers,
 )
 
 __all__ = [
@@ -339,8 +339,7 @@ class JobManager:
                     summary = self._run_loop(record.id, live, fleet, resume, writer, tracker)
                     break
                 except Exception as e:
-                    workers = [*fleet.trainers, *fleet.critics]
-                    lost = lost_trainer_error(e, [t.address for t in workers]) or silent_trainer_error(e, workers)
+                    lost = lost_trainer(e, fleet.trainer_servers)
                     if lost is None:
                         raise
                     checkpoint = self._restart_point(record.id, lost, fleet, restarts)  # TrainerLost when none
@@ -398,7 +397,7 @@ class JobManager:
     def _restart_point(self, job_id: str, lost: PeerError, fleet: Fleet, restarts: int) -> Checkpoint:
         """The checkpoint a job that lost a trainer restarts from, announced in its log; TrainerLost
         saying why when it cannot restart (no checkpoint, or no restart left)."""
-        who = ", ".join(gone([*fleet.trainers, *fleet.critics])) or lost.peer  # a rank's error can name a live peer
+        who = ", ".join(gone(fleet.trainer_servers)) or lost.peer  # a rank's error can name a live peer
         after = self.get(job_id).step
         what = f"trainer {who} lost after step {after} ({lost})"
         checkpoints = self.store.checkpoints(job_id)

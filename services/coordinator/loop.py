@@ -21,7 +21,7 @@ from services import rpc
 from services.api import rollout_pb2, trainer_pb2
 from services.coordinator.advantages import compute_advantages, explained_variance, gae, whiten_tokens
 from services.coordinator.clients import Completion, PeerError, RolloutClient, TrainerClient, TrainerGroup
-from services.coordinator.config import JobConfig
+from services.coordinator.config import JobConfig, OptimizerConfig, SchedulerConfig
 from services.coordinator.datasets import Example, PromptSampler, load_examples, open_dataset
 from services.coordinator.rewards import build_reward
 from services.coordinator.weight_sync import WeightSyncer
@@ -63,30 +63,32 @@ class Fleet:
     # address): a client for its current address, or None while it is not ready.
     relocate: Callable[[int], RolloutClient | None] | None = None
 
+    @property
+    def trainer_servers(self) -> list[TrainerClient]:
+        """Every trainer server the job uses: the policy's ranks, then the critics."""
+        return [*self.trainers, *self.critics]
+
+
+def _optimizer(opt: OptimizerConfig) -> trainer_pb2.OptimizerConfig:
+    return trainer_pb2.OptimizerConfig(lr=opt.lr, weight_decay=opt.weight_decay, beta1=opt.betas[0],
+                                       beta2=opt.betas[1], eps=opt.eps, grad_clip=opt.grad_clip)
+
+
+def _scheduler(sched: SchedulerConfig, num_rollout: int) -> trainer_pb2.SchedulerConfig:
+    return trainer_pb2.SchedulerConfig(kind=sched.kind, warmup_steps=sched.warmup_steps,
+                                       decay_steps=sched.total_decay_steps(num_rollout), min_lr_ratio=sched.min_lr_ratio)
+
 
 def trainer_config(job: JobConfig) -> trainer_pb2.TrainerConfig:
     t, a = job.trainer, job.algorithm
-    sched = t.scheduler
     return trainer_pb2.TrainerConfig(
         model_path=str(job.model),
         backend=t.backend,
         device=t.device,
         dtype=t.dtype,
         seed=job.seed,
-        optimizer=trainer_pb2.OptimizerConfig(
-            lr=t.optimizer.lr,
-            weight_decay=t.optimizer.weight_decay,
-            beta1=t.optimizer.betas[0],
-            beta2=t.optimizer.betas[1],
-            eps=t.optimizer.eps,
-            grad_clip=t.optimizer.grad_clip,
-        ),
-        scheduler=trainer_pb2.SchedulerConfig(
-            kind=sched.kind,
-            warmup_steps=sched.warmup_steps,
-            decay_steps=sched.total_decay_steps(job.num_rollout),
-            min_lr_ratio=sched.min_lr_ratio,
-        ),
+        optimizer=_optimizer(t.optimizer),
+        scheduler=_scheduler(t.scheduler, job.num_rollout),
         loss=trainer_pb2.LossConfig(
             clip_eps_low=a.clip_eps_low,
             clip_eps_high=a.clip_eps_high,
@@ -119,18 +121,12 @@ def critic_config(job: JobConfig) -> trainer_pb2.TrainerConfig:
     config.device = c.device or t.device
     config.dtype = c.dtype or t.dtype
     config.micro_batch_size = c.micro_batch_size or t.micro_batch_size
-    config.offload = t.offload if c.offload is None else c.offload
+    config.offload = job.critic_offload
     config.ClearField("tags")
     config.master_weights = ""
     config.tensor_parallel = config.pipeline_parallel = 1
-    config.optimizer.CopyFrom(trainer_pb2.OptimizerConfig(
-        lr=c.optimizer.lr, weight_decay=c.optimizer.weight_decay, beta1=c.optimizer.betas[0],
-        beta2=c.optimizer.betas[1], eps=c.optimizer.eps, grad_clip=c.optimizer.grad_clip,
-    ))
-    config.scheduler.CopyFrom(trainer_pb2.SchedulerConfig(
-        kind=c.scheduler.kind, warmup_steps=c.scheduler.warmup_steps,
-        decay_steps=c.scheduler.total_decay_steps(job.num_rollout), min_lr_ratio=c.scheduler.min_lr_ratio,
-    ))
+    config.optimizer.CopyFrom(_optimizer(c.optimizer))
+    config.scheduler.CopyFrom(_scheduler(c.scheduler, job.num_rollout))
     config.loss.CopyFrom(trainer_pb2.LossConfig(value_clip=c.value_clip, loss_agg=job.algorithm.loss_agg))
     return config
 
@@ -227,13 +223,8 @@ class RLLoop:
         where = ", ".join(c.address for c in self.critics.ranks)
         self.emit("log", 0, {"message": f"critic {where} ready ({status.world_size or 1} rank(s), "
                                         f"{status.num_parameters} parameters with the value head)"})
-        if self._critic_offload:
+        if self.job.critic_offload:
             self.critics.sleep()
-
-    @property
-    def _critic_offload(self) -> bool:
-        c = self.job.critic
-        return self.job.trainer.offload if c.offload is None else c.offload
 
     def _engine_config(self, index: int) -> rollout_pb2.RolloutConfig:
         exact = self.job.weight_sync.verify == "exact"
@@ -415,7 +406,7 @@ class RLLoop:
             batch, critic_metrics = self._ppo_batch(completions, rewards)
         else:
             if algo.needs_ref and not algo.use_kl_loss:  # KL as a reward penalty: kl_coef * sum_t (logp - ref)
-                kl_reward = self._kl_in_reward(trainer, completions).view(len(examples), n)  # [P, n]
+                kl_reward = self._kl_in_reward(completions).view(len(examples), n)  # [P, n]
                 rewards = rewards - algo.kl_coef * kl_reward
             advantages = compute_advantages(algo.advantage, rewards, normalize_std=algo.normalize_std).view(-1)
             batch = trainer_pb2.Batch(samples=[
@@ -478,13 +469,13 @@ class RLLoop:
         ])
         token_rewards = [[0.0] * len(completions[i].output_ids) for i in scored]
         metrics: dict[str, float] = {}
-        if algo.needs_ref and not algo.use_kl_loss and scored:
-            refs = self.trainers.compute_logprobs("ref", batch)
+        if algo.needs_ref and not algo.use_kl_loss:
+            refs = self._ref_logprobs(completions)
             if self.job.trainer.offload:
                 self.trainers.sleep()
             kl_total = 0.0
-            for row, i, ref in zip(token_rewards, scored, refs):
-                for t, (logp, ref_logp) in enumerate(zip(completions[i].logprobs, ref)):
+            for row, i in zip(token_rewards, scored):
+                for t, (logp, ref_logp) in enumerate(zip(completions[i].logprobs, refs[i])):
                     row[t] -= algo.kl_coef * (logp - ref_logp)
                     kl_total += logp - ref_logp
             metrics["kl_reward_mean"] = kl_total / len(completions)
@@ -503,7 +494,7 @@ class RLLoop:
             for s, r, v in zip(batch.samples, returns, values)
         ])
         critic_train, _ = self.critics.train_step(critic_batch, value=True) if scored else ({}, 0)
-        if self._critic_offload:
+        if self.job.critic_offload:
             self.critics.sleep()
         flat_values = [v for row in values for v in row]
         flat_returns = [r for row in returns for r in row]
@@ -518,17 +509,21 @@ class RLLoop:
         })
         return batch, metrics
 
-    @staticmethod
-    def _kl_in_reward(trainer: TrainerGroup, completions: list[Completion]) -> torch.Tensor:
+    def _kl_in_reward(self, completions: list[Completion]) -> torch.Tensor:
         """Per completion, sum over its tokens of (engine logprob - ref logprob): the k1 estimate
         of KL(policy || ref) for the sequence (0 for an empty completion)."""
+        return torch.tensor([sum(c.logprobs) - sum(ref) if c.output_ids else 0.0
+                             for c, ref in zip(completions, self._ref_logprobs(completions))])
+
+    def _ref_logprobs(self, completions: list[Completion]) -> list[list[float]]:
+        """The `ref` copy's logprobs of every completion's tokens (none for an empty completion)."""
         scored = [i for i, c in enumerate(completions) if c.output_ids]
         batch = trainer_pb2.Batch(samples=[trainer_pb2.Sample(prompt_ids=completions[i].prompt_ids,
                                                               response_ids=completions[i].output_ids) for i in scored])
-        kl = torch.zeros(len(completions))
-        for i, ref in zip(scored, trainer.compute_logprobs("ref", batch) if scored else []):
-            kl[i] = sum(completions[i].logprobs) - sum(ref)
-        return kl
+        refs: list[list[float]] = [[] for _ in completions]
+        for i, ref in zip(scored, self.trainers.compute_logprobs("ref", batch) if scored else []):
+            refs[i] = ref
+        return refs
 
     def sft_stage(self) -> None:
         sft = self.job.sft
@@ -637,7 +632,7 @@ class RLLoop:
             self.trainers.sleep()
         if self.critics is not None:  # the critic's own checkpoint, beside the policy's
             self.critics.save_checkpoint(str(directory / CRITIC_DIR))
-            if self._critic_offload:
+            if self.job.critic_offload:
                 self.critics.sleep()
         self.emit("checkpoint", step, {"path": str(directory)})
 

@@ -33,9 +33,16 @@ class TrainerLost(RuntimeError):
     """A trainer was lost and the job cannot go on without it (the message says why)."""
 
 
-def lost_trainer_error(error: BaseException, trainers: Collection[str]) -> PeerError | None:
+def lost_trainer(error: BaseException, clients: list[TrainerClient]) -> PeerError | None:
+    """Whether a job failed because it lost one of `clients` (its trainer servers): the PeerError
+    that says so, from the failure itself or, when that names no trainer, from a trainer that no
+    longer answers; None when the failure is something else."""
+    return _named(error, {c.address for c in clients}) or _silent(error, clients)
+
+
+def _named(error: BaseException, trainers: Collection[str]) -> PeerError | None:
     """The PeerError in `error`'s cause/context chain saying that one of `trainers` (addresses)
-    is gone; None when the failure is something else."""
+    is gone."""
     seen: set[int] = set()
     current: BaseException | None = error
     while current is not None and id(current) not in seen:
@@ -46,7 +53,7 @@ def lost_trainer_error(error: BaseException, trainers: Collection[str]) -> PeerE
     return None
 
 
-def silent_trainer_error(error: BaseException, clients: list[TrainerClient]) -> PeerError | None:
+def _silent(error: BaseException, clients: list[TrainerClient]) -> PeerError | None:
     """After a failure that names no trainer (a sync whose engines all failed because the trainer
     they pulled from died half-way), the first trainer that no longer answers at all, as a
     PeerError that tells what failed; None when every trainer still answers (then the failure
@@ -86,7 +93,7 @@ def gone(clients: list[TrainerClient]) -> list[str]:
 
 
 def close_clients(fleet: Fleet) -> None:
-    for client in (*fleet.trainers, *fleet.critics, *fleet.engines):
+    for client in (*fleet.trainer_servers, *fleet.engines):
         client.close()
 
 
@@ -105,7 +112,7 @@ def wait_for_trainers(make_fleet: Callable[[JobConfig], Fleet], job: JobConfig, 
         except ValueError as e:  # not enough ready workers (yet)
             fleet, why = None, str(e)
         if fleet is not None:
-            silent = {a: e for a, e in probe([*fleet.trainers, *fleet.critics]).items() if isinstance(e, PeerError)}
+            silent = {a: e for a, e in probe(fleet.trainer_servers).items() if isinstance(e, PeerError)}
             if not silent:
                 return fleet
             close_clients(fleet)
