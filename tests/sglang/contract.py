@@ -13,6 +13,13 @@ zip; sglang itself is never imported (it needs CUDA-era dependencies). What it g
 - `sglang/srt/utils/auth.py` (stdlib only) is loaded for `decide_request_auth`, and
   `sglang/srt/weight_sync/tensor_bucket.py` (torch only) for `FlattenedTensorBucket`, so a
   stand-in server authorises and sizes weight buckets with SGLang's code.
+- `/update_weights_from_tensor` payloads are unpickled as SGLang does: through the allowlist of
+  its `SafeUnpickler` (read with `ast`), its torch-storage loader and its patched CUDA rebuild
+  (GPU UUID -> index), those functions compiled from the wheel (`deserialize_named_tensors`).
+- Which model classes answer `/get_weights_by_name` comes from `sglang/srt/models/*.py`, parsed
+  with `ast` (`weights_by_name_architectures`).
+
+This file is longer than the house ~500 lines because it is the one place that reads the wheel.
 
 Strictness: real SGLang *ignores* unknown top-level keys (control structs are validated with
 extra="ignore", `GenerateReqInput` is a dataclass); only unknown keys inside `sampling_params`
@@ -23,17 +30,22 @@ our adapter cannot rely on a field SGLang silently drops; `strict=False` judges 
 from __future__ import annotations
 
 import ast
+import base64
+import binascii
 import functools
 import importlib.util
+import io
 import os
+import pickle
+import re
 import subprocess
 import sys
 import tempfile
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
-from types import ModuleType
-from typing import Any, Callable
+from types import ModuleType, SimpleNamespace
+from typing import Any, Callable, Union
 from urllib.parse import parse_qsl, urlsplit
 
 SGLANG_VERSION = "0.5.23"
@@ -43,6 +55,9 @@ API_TYPES = "sglang/api/v1/api_types.py"
 AUTH = "sglang/srt/utils/auth.py"
 TENSOR_BUCKET = "sglang/srt/weight_sync/tensor_bucket.py"
 COMMON = "sglang/srt/utils/common.py"
+PATCH_TORCH = "sglang/srt/utils/patch_torch.py"
+WEIGHT_UTILS = "sglang/srt/model_loader/weight_utils.py"
+MODELS = "sglang/srt/models/"
 
 # Response shapes of control routes, as their handlers in http_server.py (0.5.23) build them.
 SUCCESS_MESSAGE_ROUTES = (
@@ -121,6 +136,14 @@ def load_wheel_module(member: str, name: str) -> ModuleType:
     sys.modules[name] = module  # msgspec/dataclasses resolve annotations through sys.modules
     spec.loader.exec_module(module)
     return module
+
+
+def wheel_constant(member: str, name: str) -> Any:
+    """A module-level literal of a wheel file (e.g. patch_torch's `_REDUCE_TENSOR_ARG_DEVICE_INDEX`)."""
+    for node in ast.parse(wheel_source(member)).body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == name for t in node.targets):
+            return ast.literal_eval(node.value)
+    raise LookupError(f"{member}: no module-level {name} in sglang {SGLANG_VERSION}")
 
 
 def wheel_function(member: str, function: str, namespace: dict[str, Any]) -> Callable:
@@ -253,7 +276,10 @@ def _checker(node: ast.expr | None, structs: dict[str, dict[str, Field]]) -> Cal
         head = node.value.id if isinstance(node.value, ast.Name) else node.value.attr
         parts = node.slice.elts if isinstance(node.slice, ast.Tuple) else [node.slice]
         if head == "Annotated":
-            return _checker(parts[0], structs)
+            inner = _checker(parts[0], structs)
+            if any(isinstance(p, ast.Call) and ast.unparse(p.func) == "Base64Bytes" for p in parts[1:]):
+                return _base64_checked(inner)
+            return inner
         if head == "Optional":
             inner = _checker(parts[0], structs)
             return lambda v: None if v is None else inner(v)
@@ -276,6 +302,20 @@ def _checker(node: ast.expr | None, structs: dict[str, dict[str, Field]]) -> Cal
             allowed = [p.value for p in parts if isinstance(p, ast.Constant)]
             return lambda v: None if v in allowed else "one of " + ", ".join(repr(a) for a in allowed)
     return ok
+
+
+def _base64_checked(inner: Callable[[Any], str | None]) -> Callable[[Any], str | None]:
+    """SGLang's `Base64Bytes` marker (utils/msgspec_utils.py): every string, also inside lists, is
+    decoded with validate=True before the type check; one that does not decode fails validation."""
+    def decodes(v: Any) -> bool:
+        if isinstance(v, str):
+            try:
+                base64.b64decode(v, validate=True)
+            except binascii.Error:
+                return False
+            return True
+        return all(decodes(x) for x in v) if isinstance(v, (list, tuple)) else True
+    return lambda v: inner(v) or (None if decodes(v) else "base64-encoded bytes")
 
 
 def parse_structs(source: str) -> dict[str, dict[str, Field]]:
@@ -485,9 +525,14 @@ def routes() -> dict[str, frozenset[str]]:
 
 
 @functools.cache
+def tensor_bucket_module() -> ModuleType:
+    """SGLang's weight_sync/tensor_bucket.py (imports only torch): `FlattenedTensorMetadata` and
+    `FlattenedTensorBucket`."""
+    return load_wheel_module(TENSOR_BUCKET, "_sglang_wheel_tensor_bucket")
+
+
 def flattened_tensor_bucket() -> type:
-    """SGLang's `FlattenedTensorBucket` (weight_sync/tensor_bucket.py, imports only torch)."""
-    return load_wheel_module(TENSOR_BUCKET, "_sglang_wheel_tensor_bucket").FlattenedTensorBucket
+    return tensor_bucket_module().FlattenedTensorBucket
 
 
 @functools.cache
@@ -497,3 +542,226 @@ def init_custom_process_group() -> Callable:
     import torch
     release = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:3] if p.isdigit())
     return wheel_function(COMMON, "init_custom_process_group", {"torch": torch, "torch_release": release})
+
+
+@functools.cache
+def initialize_dummy_weights() -> Callable:
+    """SGLang's `initialize_dummy_weights` (model_loader/weight_utils.py), what `--load-format
+    dummy` runs on a fresh model: every float tensor uniform in [-1e-3, 1e-3] from its own
+    generator seeded 1234 (not --random-seed)."""
+    import torch
+    return wheel_function(WEIGHT_UTILS, "initialize_dummy_weights", {"torch": torch})
+
+
+# ---------------------------------------------------------------- serialized tensors
+
+
+def _class_node(member: str, name: str) -> ast.ClassDef:
+    return next(n for n in ast.parse(wheel_source(member)).body if isinstance(n, ast.ClassDef) and n.name == name)
+
+
+@functools.cache
+def safe_unpickler_globals() -> frozenset[tuple[str, str]]:
+    """`SafeUnpickler.ALLOWED_GLOBALS` (utils/common.py): the (module, name) globals SGLang lets a
+    serialized payload name."""
+    for stmt in _class_node(COMMON, "SafeUnpickler").body:
+        if isinstance(stmt, ast.Assign) and any(getattr(t, "id", None) == "ALLOWED_GLOBALS" for t in stmt.targets):
+            return frozenset(ast.literal_eval(stmt.value))
+    raise LookupError(f"{COMMON}: SafeUnpickler has no ALLOWED_GLOBALS in sglang {SGLANG_VERSION}")
+
+
+@functools.cache
+def _replaced_globals() -> dict[tuple[str, str], Callable]:
+    """Globals SGLang resolves to its own code, each compiled from the wheel: the ones
+    `SafeUnpickler.find_class` special-cases before its allowlist (torch's `_load_from_bytes`,
+    which would run an unrestricted torch.load), and the CUDA rebuild that
+    `monkey_patch_torch_reductions` puts in torch's place (device index 6 may be a GPU UUID)."""
+    import torch
+    from torch.multiprocessing import reductions
+
+    special: dict[tuple[str, str], Callable] = {}
+    for node in ast.walk(next(n for n in _class_node(COMMON, "SafeUnpickler").body
+                              if isinstance(n, ast.FunctionDef) and n.name == "find_class")):
+        if (isinstance(node, ast.If) and isinstance(node.test, ast.Compare)
+                and isinstance(node.test.comparators[0], ast.Tuple) and isinstance(node.body[0], ast.Return)):
+            key = ast.literal_eval(node.test.comparators[0])
+            special[key] = wheel_function(COMMON, node.body[0].value.id, {"torch": torch, "io": io, "pickle": pickle})
+    scope = {"torch": torch, "Union": Union, "Callable": Callable}
+    torch_rebuild = getattr(reductions, "_rebuild_cuda_tensor_original", reductions.rebuild_cuda_tensor)
+    rebuild = wheel_function(PATCH_TORCH, "_rebuild_cuda_tensor_modified", {
+        "reductions": SimpleNamespace(_rebuild_cuda_tensor_original=torch_rebuild),
+        "_modify_tuple": wheel_function(PATCH_TORCH, "_modify_tuple", scope),
+        "_device_from_maybe_uuid": wheel_function(PATCH_TORCH, "_device_from_maybe_uuid", scope),
+        "_REDUCE_TENSOR_ARG_DEVICE_INDEX": wheel_constant(PATCH_TORCH, "_REDUCE_TENSOR_ARG_DEVICE_INDEX"),
+    })
+    special[("torch.multiprocessing.reductions", "rebuild_cuda_tensor")] = rebuild
+    special[("sglang.srt.utils.patch_torch", "_rebuild_cuda_tensor_modified")] = rebuild
+    return special
+
+
+class _SafeUnpickler(pickle.Unpickler):
+    """SGLang's `SafeUnpickler` after `monkey_patch_torch_reductions()`, recording what it is asked for."""
+
+    def __init__(self, file):
+        super().__init__(file)
+        self.allowed, self.replaced = safe_unpickler_globals(), _replaced_globals()
+        self.named: list[str] = []
+
+    def find_class(self, module: str, name: str):
+        self.named.append(f"{module}.{name}")
+        key = (module, name)
+        if key == ("torch.storage", "_load_from_bytes"):  # checked before the allowlist, as SGLang does
+            return self.replaced[key]
+        if key not in self.allowed:
+            raise RuntimeError(f"Blocked unsafe global ({module}.{name}) during pickle deserialization")
+        if key in self.replaced:
+            return self.replaced[key]
+        if module == "sglang.srt.weight_sync.tensor_bucket":
+            return getattr(tensor_bucket_module(), name)
+        if module.startswith("sglang."):  # allowed, but only importable with sglang itself
+            raise pickle.UnpicklingError(f"stand-in: {module}.{name} is allowed by SGLang, but its module "
+                                         f"cannot be loaded without importing sglang")
+        return super().find_class(module, name)
+
+
+def deserialize_named_tensors(data: str | bytes) -> tuple[Any, list[str]]:
+    """(the object, the globals it named as "module.name") for one `serialized_named_tensors`
+    entry, as SGLang's `MultiprocessingSerializer.deserialize` decodes it: base64 with
+    validate=True for a string, then its allowlisted unpickler. A global off the allowlist raises
+    RuntimeError with SGLang's own message."""
+    if isinstance(data, str):
+        data = base64.b64decode(data, validate=True)
+    unpickler = _SafeUnpickler(io.BytesIO(data))
+    return unpickler.load(), unpickler.named
+
+
+# ---------------------------------------------------------------- model classes
+
+
+def _statements(body: list[ast.stmt]):
+    """Module-level statements, also those under if/try (conditional imports and classes)."""
+    for stmt in body:
+        yield stmt
+        if isinstance(stmt, (ast.If, ast.Try)):
+            for block in (stmt.body, stmt.orelse, getattr(stmt, "finalbody", []),
+                          *(h.body for h in getattr(stmt, "handlers", []))):
+                yield from _statements(block)
+
+
+@dataclass(frozen=True)
+class _ModelModule:
+    classes: dict[str, ast.ClassDef]
+    names: dict[str, tuple[str, str]]  # local name -> (module, name): imports and `Alias = Other`
+    entries: list[ast.expr]  # EntryClass's elements
+
+
+def _model_module(module: str, tree: ast.Module) -> _ModelModule:
+    classes, names, entries = {}, {}, []
+    package = module.rsplit(".", 1)[0]
+    for stmt in _statements(tree.body):
+        if isinstance(stmt, ast.ClassDef):
+            classes[stmt.name] = stmt
+        elif isinstance(stmt, ast.ImportFrom):
+            source = stmt.module or ""
+            if stmt.level:
+                base = package.rsplit(".", stmt.level - 1)[0] if stmt.level > 1 else package
+                source = f"{base}.{source}" if source else base
+            for alias in stmt.names:
+                names[alias.asname or alias.name] = (source, alias.name)
+        elif isinstance(stmt, ast.Import):
+            for alias in stmt.names:
+                if alias.asname:
+                    names[alias.asname] = tuple(alias.name.rsplit(".", 1)) if "." in alias.name else (alias.name, "")
+        elif isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name):
+            target = stmt.targets[0].id
+            if target == "EntryClass":
+                entries = stmt.value.elts if isinstance(stmt.value, (ast.List, ast.Tuple)) else [stmt.value]
+            elif isinstance(stmt.value, ast.Name):
+                names[target] = (module, stmt.value.id)
+    return _ModelModule(classes, names, entries)
+
+
+_IMPORT = re.compile(r"^[ \t]*(?:from[ \t]+\S+[ \t]+import[ \t]+(?:\([^)]*\)|[^\n]*)|import[ \t]+[^\n]*)", re.M)
+
+
+def _imports_of(module: str, source: str) -> set[str] | None:
+    """Every module the file's import statements name (None if one does not parse alone)."""
+    found = set()
+    for text in _IMPORT.findall(source):
+        try:
+            tree = ast.parse(text.strip())
+        except SyntaxError:
+            return None
+        names = _model_module(module, tree).names.values()
+        found |= {m for source, name in names for m in (source, f"{source}.{name}")}
+    return found
+
+
+@functools.cache
+def _model_modules(method: str) -> dict[str, _ModelModule]:
+    """The models package's files that can define or inherit `method`, parsed: those that mention
+    it and, transitively, those importing one of them (the package is ~7 MB of source; parsing
+    only these keeps this under a second)."""
+    with zipfile.ZipFile(wheel_path()) as zf:
+        sources = {member.removesuffix(".py").removesuffix("/__init__").replace("/", "."): zf.read(member).decode()
+                   for member in zf.namelist() if member.startswith(MODELS) and member.endswith(".py")}
+    imports = {module: _imports_of(module, source) for module, source in sources.items()}
+    relevant = {module for module, source in sources.items() if method in source}
+    while True:
+        more = {m for m, names in imports.items() if m not in relevant and (names is None or names & relevant)}
+        if not more:
+            break
+        relevant |= more
+    return {module: _model_module(module, ast.parse(sources[module])) for module in relevant}
+
+
+def _resolve(modules: dict[str, _ModelModule], module: str, expr: ast.expr, depth: int = 0):
+    """(module, ClassDef) that a name or dotted name in `module` refers to; None outside the models."""
+    if depth > 20 or module not in modules:
+        return None
+    here = modules[module]
+    if isinstance(expr, ast.Name):
+        if expr.id in here.classes:
+            return module, here.classes[expr.id]
+        if expr.id in here.names:
+            source, name = here.names[expr.id]
+            if name and source in modules:
+                return _resolve(modules, source, ast.Name(name), depth + 1)
+        return None
+    if isinstance(expr, ast.Attribute) and isinstance(expr.value, ast.Name) and expr.value.id in here.names:
+        source, name = here.names[expr.value.id]  # `from sglang.srt.models import llama`; `llama.X`
+        return _resolve(modules, f"{source}.{name}" if name else source, ast.Name(expr.attr), depth + 1)
+    return None
+
+
+def _defines(modules: dict[str, _ModelModule], module: str, cls: ast.ClassDef, method: str, depth: int = 0) -> bool:
+    """Whether the class defines `method` or inherits it from a class of the models package."""
+    for stmt in cls.body:
+        if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef)) and stmt.name == method:
+            return True
+        if isinstance(stmt, ast.Assign) and any(getattr(t, "id", None) == method for t in stmt.targets):
+            return True
+    if depth > 20:
+        return False
+    for base in cls.bases:
+        found = _resolve(modules, module, base)
+        if found is not None and _defines(modules, *found, method, depth + 1):
+            return True
+    return False
+
+
+@functools.cache
+def weights_by_name_architectures() -> frozenset[str]:
+    """The architectures (`EntryClass` class names of sglang/srt/models/*.py, as SGLang's model
+    registry names them) whose class has `get_weights_by_name`; for the others SGLang's
+    `/get_weights_by_name` answers 400 "Get parameter by name failed"."""
+    modules = _model_modules("get_weights_by_name")
+    found = set()
+    for module, parsed in modules.items():
+        if module.count(".") != MODELS.count("/"):  # entry modules: the package's own files only
+            continue
+        for entry in parsed.entries:
+            resolved = _resolve(modules, module, entry)
+            if resolved is not None and _defines(modules, *resolved, "get_weights_by_name"):
+                found.add(resolved[1].name)
+    return frozenset(found)

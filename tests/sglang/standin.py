@@ -1,18 +1,23 @@
-"""A stand-in SGLang server: SGLang 0.5.23's HTTP API over rlfleet's own CPU engine.
+"""A stand-in SGLang server: SGLang 0.5.23's HTTP API over rlfleet's own engine.
 
 Started like `python -m sglang.launch_server`:
 
     python -m tests.sglang.standin --model-path DIR --port P [--host H] [--api-key K] [other sglang flags]
 
 Unknown flags (`--tp 1`, `--mem-fraction-static 0.5`, ...) are accepted and ignored. `--port 0`
-picks a free port; the line `standin listening on http://HOST:PORT` on stdout says which.
+picks a free port; the line `standin listening on http://HOST:PORT` on stdout says which. The engine
+runs on `cuda:<--base-gpu-id>` when that flag is given and CUDA is there, else on `--device`, else
+on the CPU; `--load-format dummy` starts it from SGLang's own random weights.
 
 It answers in SGLang's shapes, but never decides what is valid: every request first passes
 `contract.check_request` (the wheel's types; strict unless `--standin-lenient`), and a rejection
 is answered as SGLang answers it (400 `{"error": text}` from the /generate schema check, 400
 `ErrorResponse` for a request struct, 404/405 for unknown routes). Authorisation is the wheel's own
 `decide_request_auth`. Weight groups are joined with the wheel's `init_custom_process_group`
-(gloo only: there is no GPU) and flattened buckets sized by its `FlattenedTensorBucket`.
+(gloo, or nccl when on a GPU) and flattened buckets sized by its `FlattenedTensorBucket`.
+`/update_weights_from_tensor` payloads are unpickled through SGLang's own allowlist
+(`contract.deserialize_named_tensors`), and `/get_weights_by_name` answers only for the model
+classes that implement it in the wheel.
 
 Test-only routes live under `/_standin/`: `GET /_standin/requests` (every request seen:
 method, path, body, status), `POST /_standin/reset` (clear that log), `POST /_standin/crash`
@@ -85,7 +90,14 @@ class Standin:
 
         self.args = args
         self.contract = contract.load_contract()
-        self.engine = RolloutEngine(RolloutSettings(model_path=args.model_path, device="cpu", seed=args.random_seed))
+        self.device = torch.device(engine_device(args))
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)  # NCCL groups and CUDA IPC handles open on this GPU
+        dummy = args.load_format == "dummy"
+        self.engine = RolloutEngine(RolloutSettings(model_path=args.model_path, device=str(self.device),
+                                                    seed=args.random_seed, load_weights=not dummy))
+        if dummy:  # SGLang's DummyModelLoader: its own random values, never the checkpoint's
+            contract.initialize_dummy_weights()(self.engine.model)
         self.tokenizer = self.engine.tokenizer
         self.config = json.loads((Path(args.model_path) / "config.json").read_text())
         self.weight_version: str = args.weight_version
@@ -292,15 +304,16 @@ class Standin:
 
     def route_init_weights_update_group(self, body: dict, query: dict) -> Reply:
         backend = body.get("backend", "nccl")
-        if backend != "gloo":
+        if backend != "gloo" and not (backend == "nccl" and self.device.type == "cuda"):
             return Reply(400, {"success": False, "message": f"Failed to initialize custom process group: the stand-in "
-                                                            f"has no GPU, so backend {backend!r} cannot work; use gloo."})
+                                                            f"runs on {self.device}, so backend {backend!r} cannot "
+                                                            f"work; use gloo."})
         host, port = body["master_address"], body["master_port"]
         init_method = f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
         name = body.get("group_name", "weight_update_group")
         try:
             group = contract.init_custom_process_group()(
-                backend="gloo", init_method=init_method, world_size=body["world_size"], rank=body["rank_offset"],
+                backend=backend, init_method=init_method, world_size=body["world_size"], rank=body["rank_offset"],
                 group_name=name, timeout=datetime.timedelta(seconds=self.args.standin_dist_timeout))
         except Exception as e:  # noqa: BLE001 (SGLang answers every failure the same way)
             return Reply(400, {"success": False, "message": f"Failed to initialize custom process group: {e}."})
@@ -366,11 +379,13 @@ class Standin:
 
     def _receive(self, body: dict, group) -> list[tuple[str, torch.Tensor]]:
         names, dtypes, shapes = body["names"], body["dtypes"], body["shapes"]
+        device = self.device if dist.get_backend(group) == "nccl" else "cpu"
         if body.get("load_format") == "flattened_bucket":
-            bucket = contract.flattened_tensor_bucket().empty(names, dtypes, shapes, "cpu")
+            bucket = contract.flattened_tensor_bucket().empty(names, dtypes, shapes, device)
             dist.broadcast(bucket.get_flattened_tensor(), src=0, group=group)
             return bucket.reconstruct_tensors()
-        weights = [(n, torch.empty(s, dtype=getattr(torch, d))) for n, d, s in zip(names, dtypes, shapes)]
+        weights = [(n, torch.empty(s, dtype=getattr(torch, d), device=device))
+                   for n, d, s in zip(names, dtypes, shapes)]
         works = [dist.broadcast(t, src=0, group=group, async_op=True) for _, t in weights]
         for work in works:
             work.wait()
@@ -396,8 +411,50 @@ class Standin:
                 target.copy_(tensor)
 
     def route_update_weights_from_tensor(self, body: dict, query: dict) -> Reply:
-        return Reply(400, {"success": False, "message": "stand-in: update_weights_from_tensor carries CUDA IPC "
-                                                        "handles, which a CPU server cannot open"})
+        """As SGLang 0.5.23: refused outside a begin/end_weight_update session; the payload for TP
+        rank 0 unpickled as SGLang does (its allowlist; a CUDA tensor's device may be a GPU UUID),
+        then loaded under the model lock. Real SGLang raises inside its scheduler on a bad payload
+        or format (and the server dies); the stand-in answers that error as a failed update."""
+        if self.session is None:
+            return Reply(400, {"success": False, "message": "update_weights_from_tensor must run between "
+                                                            "begin_weight_update() and end_weight_update()"})
+        if body.get("abort_all_requests"):
+            self.route_abort_request({"abort_all": True}, {})
+        with self.model_lock:
+            try:
+                self._load_serialized(body["serialized_named_tensors"][0], body.get("load_format"))
+            except Exception as e:  # noqa: BLE001 (every failure is the update's)
+                self._note(error=f"{type(e).__name__}: {e}")
+                return Reply(400, {"success": False, "message": str(e)})
+            finally:
+                if self.device.type == "cuda":  # the producer may reuse its memory once ours is gone
+                    torch.cuda.ipc_collect()
+        message = "Success"
+        if body.get("weight_version") is not None:
+            self.weight_version = body["weight_version"]
+            message += f" Weight version updated to {body['weight_version']}."
+        return Reply(200, {"success": True, "message": message})
+
+    def _load_serialized(self, payload: str, load_format: str | None) -> None:
+        """SGLang's `update_weights_from_tensor` for one payload. Every received tensor is local
+        here, so none outlives the call (CUDA IPC memory is released when the last view goes)."""
+        received, named = contract.deserialize_named_tensors(payload)
+        self._note(globals=named)
+        if load_format == "flattened_bucket":  # _update_weights_from_flattened_bucket
+            module = contract.tensor_bucket_module()
+            metadata = [module.FlattenedTensorMetadata(name=m.name, shape=m.shape, dtype=m.dtype, start_idx=m.start_idx,
+                                                       end_idx=m.end_idx, numel=m.numel) for m in received["metadata"]]
+            bucket = module.FlattenedTensorBucket(flattened_tensor=received["flattened_tensor"], metadata=metadata)
+            self._load(bucket.reconstruct_tensors())
+            return
+        weights = [(name, tensor) for name, tensor in received]  # SGLang unpacks the pairs before the format
+        if load_format is None:
+            self._load(weights)
+        elif load_format == "direct":
+            raise NotImplementedError("stand-in: load_format='direct' takes SGLang's fused parameter names, "
+                                      "which the stand-in's model does not have")
+        else:
+            raise NotImplementedError(f"Unknown load_format={load_format}")
 
     def route_update_weight_version(self, body: dict, query: dict) -> Reply:
         if body.get("abort_all_requests", True):
@@ -407,15 +464,21 @@ class Standin:
                            "new_version": body["new_version"]})
 
     def route_get_weights_by_name(self, body: dict, query: dict) -> Reply:
+        """As SGLang 0.5.23: only model classes with `get_weights_by_name` answer (Llama's: the
+        first `truncate_size` rows in float32, a tied lm_head read as the embedding); for the
+        others, and for an unknown name, the call fails."""
+        architecture = (self.config.get("architectures") or [None])[0]
+        if architecture not in contract.weights_by_name_architectures():
+            return error("Get parameter by name failed")
         params = self.engine.model.state_dict(keep_vars=True)
         name = body["name"]
-        if name == "lm_head.weight" and name not in params and self.config.get("tie_word_embeddings"):
+        if name == "lm_head.weight" and self.config.get("tie_word_embeddings"):
             name = "model.embed_tokens.weight"
         if name not in params:
             return error("Get parameter by name failed")
         with self.model_lock:
-            values = params[name].detach().to(torch.float32).tolist()
-        return Reply(200, values[: body.get("truncate_size", 100)])  # the first rows, as SGLang's models do
+            values = params[name].detach().cpu().to(torch.float32).numpy().tolist()
+        return Reply(200, values[: body.get("truncate_size", 100)])
 
     def route_weights_checker(self, body: dict | None, query: dict) -> Reply:
         """action "checksum" in SGLang's shape: per-tensor sha256 (first 8 bytes, hex, its CPU
@@ -425,7 +488,8 @@ class Standin:
             return Reply(400, {"success": False, "message": f"stand-in: action {body['action']!r} is not implemented"})
         skip = body.get("skip_tensor_list") or ()
         with self.model_lock:
-            checksums = {n: hashlib.sha256(p.detach().contiguous().view(-1).view(torch.uint8).numpy()).digest()[:8].hex()
+            checksums = {n: hashlib.sha256(p.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy())
+                         .digest()[:8].hex()
                          for n, p in self.engine.model.named_parameters() if not any(s in n for s in skip)}
         overall = hashlib.sha256()
         for n in sorted(checksums):
@@ -463,7 +527,8 @@ class Standin:
         return Reply(200, {
             "model_path": self.args.model_path, "served_model_name": self.args.served_model_name or self.args.model_path,
             "tokenizer_path": self.args.tokenizer_path or self.args.model_path, "is_generation": True,
-            "preferred_sampling_params": None, "weight_version": self.weight_version, "load_format": "auto",
+            "preferred_sampling_params": None, "weight_version": self.weight_version,
+            "load_format": self.args.load_format,
             "reasoning_parser": None, "tool_call_parser": None, "disaggregation_mode": "null",
             "has_image_understanding": False, "has_audio_understanding": False,
             "model_type": self.config.get("model_type"), "architectures": self.config.get("architectures"),
@@ -592,6 +657,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--served-model-name")
     parser.add_argument("--weight-version", default="default")  # sglang's default
     parser.add_argument("--random-seed", type=int, default=0)
+    parser.add_argument("--base-gpu-id", type=int)
+    parser.add_argument("--device")
+    parser.add_argument("--load-format", default="auto")  # sglang's default
     parser.add_argument("--skip-tokenizer-init", action="store_true")
     parser.add_argument("--enable-memory-saver", action="store_true")
     parser.add_argument("--enable-weights-cpu-backup", action="store_true")
@@ -602,6 +670,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args, ignored = parser.parse_known_args(argv)
     args.ignored_flags = ignored
     return args
+
+
+def engine_device(args: argparse.Namespace) -> str:
+    """Where the engine runs: SGLang's GPU (`--base-gpu-id`) when CUDA is there, else `--device`,
+    else the CPU."""
+    if args.base_gpu_id is not None and torch.cuda.is_available():
+        return f"cuda:{args.base_gpu_id}"
+    return args.device or "cpu"
 
 
 def main(argv: list[str] | None = None) -> None:

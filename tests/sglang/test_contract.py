@@ -1,18 +1,25 @@
 """The SGLang contract kit and the stand-in server themselves: the kit judges as the pinned wheel
-does, and the stand-in answers in SGLang's shapes, in SGLang's order, and takes weights over a
-gloo broadcast exactly as SGLang 0.5.23 receives them. The test plays the trainer (rank 0)."""
+does (request structs, the unpickler allowlist, which models read weights back), and the stand-in
+answers in SGLang's shapes, in SGLang's order, and takes weights over a gloo broadcast or as a
+serialized flattened bucket exactly as SGLang 0.5.23 receives them. The test plays the trainer."""
 
 from __future__ import annotations
 
+import base64
+import binascii
+import contextlib
 import datetime
+import pickle
 import socket
 import subprocess
 import sys
 import threading
+import types
 from pathlib import Path
 
 import pytest
 
+from tests.conftest import make_tiny_model
 from tests.sglang import contract
 from tests.sglang.standin import Standin
 
@@ -29,13 +36,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def server(tiny_model_dir):
+@contextlib.contextmanager
+def _standin(model_dir: Path, *flags: str):
     """A stand-in process started as sglang.launch_server would be, and an httpx client for it."""
     httpx = pytest.importorskip("httpx")
-    cmd = [sys.executable, "-m", "tests.sglang.standin", "--model-path", str(tiny_model_dir), "--port", "0",
-           "--api-key", API_KEY, "--tp", "1", "--mem-fraction-static", "0.5", "--enable-memory-saver",
-           "--standin-dist-timeout", "30"]
+    cmd = [sys.executable, "-m", "tests.sglang.standin", "--model-path", str(model_dir), "--port", "0",
+           "--api-key", API_KEY, "--tp", "1", "--mem-fraction-static", "0.5", *flags]
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         url = None
@@ -50,6 +56,40 @@ def server(tiny_model_dir):
     finally:
         proc.kill()
         proc.wait()
+
+
+@pytest.fixture(scope="module")
+def llama_model_dir(tmp_path_factory) -> Path:
+    """Llama: one of the model classes whose weights SGLang 0.5.23 reads back by name."""
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-llama"), architecture="llama", seed=3)
+
+
+@pytest.fixture(scope="module")
+def server(llama_model_dir):
+    with _standin(llama_model_dir, "--enable-memory-saver", "--standin-dist-timeout", "30") as client:
+        yield client
+
+
+def _payload(obj) -> str:
+    """`serialized_named_tensors[0]` for `obj`: base64 of a plain pickle (CPU tensors pickle their
+    bytes through torch.storage._load_from_bytes, which SGLang's allowlist special-cases)."""
+    return base64.b64encode(pickle.dumps(obj)).decode()
+
+
+def _flattened_bucket(tensors: dict, align: int = 16) -> dict:
+    """The adapter's flattened-bucket payload: byte offsets into one uint8 tensor, each tensor
+    starting on an `align`-byte boundary (so there are gaps)."""
+    import torch
+
+    chunks, metadata, offset = [], [], 0
+    for name, t in tensors.items():
+        data = t.reshape(-1).view(torch.uint8)
+        metadata.append(types.SimpleNamespace(name=name, shape=t.shape, dtype=t.dtype, start_idx=offset,
+                                              end_idx=offset + data.numel(), numel=data.numel()))
+        gap = -(offset + data.numel()) % align
+        chunks += [data, data.new_full((gap,), 0xAB)]
+        offset += data.numel() + gap
+    return {"flattened_tensor": torch.cat(chunks), "metadata": metadata}
 
 
 # ---------------------------------------------------------------- the kit
@@ -96,6 +136,77 @@ def test_every_route_the_standin_serves_exists_in_the_wheel():
     assert served <= in_wheel, sorted(served - in_wheel)
 
 
+class _Reduces:
+    """Pickles as a call of `fn(*args)`."""
+
+    def __init__(self, fn, *args):
+        self.fn, self.args = fn, args
+
+    def __reduce__(self):
+        return self.fn, self.args
+
+
+def test_kit_reads_sglangs_unpickler_allowlist():
+    allowed = contract.safe_unpickler_globals()
+    assert {("types", "SimpleNamespace"), ("torch._utils", "_rebuild_tensor_v2"),
+            ("torch.multiprocessing.reductions", "rebuild_cuda_tensor")} <= allowed
+    assert not {("os", "system"), ("builtins", "eval"), ("torch", "load")} & allowed
+
+
+@pytest.mark.parametrize("payload, named", [
+    (b"cos\nsystem\n(S'touch standin-pwned'\ntR.", "os.system"),  # protocol 0, by hand: os.system pickles as posix
+    (pickle.dumps({"metadata": _Reduces(eval, "1 + 1")}), "builtins.eval"),
+], ids=["os.system", "builtins.eval"])
+def test_kit_refuses_globals_off_sglangs_allowlist(payload, named, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(RuntimeError) as caught:
+        contract.deserialize_named_tensors(base64.b64encode(payload).decode())
+    assert str(caught.value) == f"Blocked unsafe global ({named}) during pickle deserialization"
+    assert not (tmp_path / "standin-pwned").exists()
+
+
+def test_kit_unpickles_a_cpu_flattened_bucket_as_sglang_does():
+    import torch
+
+    bucket = _flattened_bucket({"a": torch.arange(6, dtype=torch.float32).reshape(2, 3),
+                                "b": torch.ones(3, dtype=torch.bfloat16)})
+    got, named = contract.deserialize_named_tensors(_payload(bucket))
+    assert torch.equal(got["flattened_tensor"], bucket["flattened_tensor"])
+    assert got["metadata"] == bucket["metadata"]
+    assert {"torch.storage._load_from_bytes", "torch._utils._rebuild_tensor_v2", "types.SimpleNamespace"} <= set(named)
+    with pytest.raises(binascii.Error):  # validate=True, as SGLang
+        contract.deserialize_named_tensors("not base64!")
+
+
+def test_kit_rebuilds_cuda_tensors_with_sglangs_device_uuid_patch():
+    """The adapter's CUDA payload names torch's rebuild_cuda_tensor with a GPU UUID as the device:
+    SGLang's patched reductions look the UUID up among the local GPUs (none matches here)."""
+    import torch
+    from torch.multiprocessing import reductions
+
+    args = (torch.Tensor, torch.Size([4]), (1,), 0, torch.storage.TypedStorage, torch.uint8, "GPU-00000000-standin",
+            b"handle", 4, 0, False, b"refcount", 0, None, False)
+    with pytest.raises(Exception, match="^Invalid device_uuid=GPU-00000000-standin$"):
+        contract.deserialize_named_tensors(pickle.dumps(_Reduces(reductions.rebuild_cuda_tensor, *args)))
+
+
+def test_kit_knows_which_models_read_weights_back():
+    readable = contract.weights_by_name_architectures()
+    assert {"LlamaForCausalLM", "Phi3ForCausalLM"} <= readable  # Phi3 inherits Llama's
+    assert not {"Qwen2ForCausalLM", "Qwen3ForCausalLM"} & readable
+
+
+def test_kit_checks_tensor_update_and_read_back_bodies():
+    body = {"serialized_named_tensors": [_payload({})], "load_format": "flattened_bucket", "flush_cache": True,
+            "weight_version": "3"}
+    contract.check_request("POST", "/update_weights_from_tensor", body)
+    with pytest.raises(contract.ContractError, match="serialized_named_tensors` must be base64-encoded bytes"):
+        contract.check_request("POST", "/update_weights_from_tensor", body | {"serialized_named_tensors": ["gA*"]})
+    contract.check_request("POST", "/get_weights_by_name", {"name": "model.norm.weight", "truncate_size": 32})
+    with pytest.raises(contract.ContractError, match="truncate_size` must be an integer"):
+        contract.check_request("POST", "/get_weights_by_name", {"name": "model.norm.weight", "truncate_size": "32"})
+
+
 # ---------------------------------------------------------------- the stand-in
 
 
@@ -128,7 +239,7 @@ def test_standin_rejects_what_the_wheel_rejects(server):
     assert reply.status_code == 400 and "missing required key `dtypes`" in reply.json()["message"]
 
 
-def test_standin_takes_a_flattened_bucket_over_gloo(server, tiny_model_dir):
+def test_standin_takes_a_flattened_bucket_over_gloo(server, llama_model_dir):
     import torch
     from safetensors.torch import load_file
 
@@ -155,7 +266,7 @@ def test_standin_takes_a_flattened_bucket_over_gloo(server, tiny_model_dir):
     assert replies["init"].json() == {"success": True, "message": "Succeeded to initialize custom process group."}
 
     torch.manual_seed(1)
-    new = {name: torch.randn_like(t) for name, t in load_file(tiny_model_dir / "model.safetensors").items()}
+    new = {name: torch.randn_like(t) for name, t in load_file(llama_model_dir / "model.safetensors").items()}
     body = {"names": list(new), "dtypes": [str(t.dtype).removeprefix("torch.") for t in new.values()],
             "shapes": [list(t.shape) for t in new.values()], "group_name": "test_sync",
             "load_format": "flattened_bucket", "weight_version": "step-1", "flush_cache": True}
@@ -192,3 +303,69 @@ def test_standin_takes_a_flattened_bucket_over_gloo(server, tiny_model_dir):
     torch.distributed.destroy_process_group(group)
     log = server.get("/_standin/requests").json()
     assert all(entry["path"] != "/_standin/requests" for entry in log)
+
+
+def _read(server, name: str, rows: int):
+    import torch
+
+    reply = server.post("/get_weights_by_name", json={"name": name, "truncate_size": rows})
+    assert reply.status_code == 200, reply.text
+    return torch.tensor(reply.json())
+
+
+def test_standin_reads_weights_back_only_for_models_sglang_can(server, llama_model_dir, tmp_path):
+    from safetensors.torch import load_file
+
+    qwen2 = make_tiny_model(tmp_path / "qwen2", architecture="qwen2")
+    with _standin(qwen2) as refusing:
+        reply = refusing.post("/get_weights_by_name", json={"name": "model.norm.weight", "truncate_size": 32})
+    assert (reply.status_code, reply.json()) == (400, {"error": {"message": "Get parameter by name failed"}})
+    # Llama answers: the first rows, as float32; tied, its lm_head reads as the embedding.
+    embed = _read(server, "model.embed_tokens.weight", 17)
+    assert embed.shape == load_file(llama_model_dir / "model.safetensors")["model.embed_tokens.weight"].shape
+    assert _read(server, "lm_head.weight", 17).equal(embed)
+    assert _read(server, "model.embed_tokens.weight", 2).equal(embed[:2])
+
+
+def test_standin_starts_dummy_and_takes_a_serialized_flattened_bucket(llama_model_dir):
+    """`--load-format dummy` weights differ from the checkpoint until an update gives them back;
+    /update_weights_from_tensor takes CPU tensors pickled plainly, inside a session only."""
+    import torch
+    from safetensors.torch import load_file
+
+    real = load_file(llama_model_dir / "model.safetensors")
+    with _standin(llama_model_dir, "--load-format", "dummy") as server:
+        assert server.get("/model_info").json()["load_format"] == "dummy"
+        assert not _read(server, "model.norm.weight", 32).equal(real["model.norm.weight"])
+        assert _read(server, "model.norm.weight", 32).abs().max() <= 1e-3  # SGLang's uniform(-1e-3, 1e-3)
+
+        body = {"serialized_named_tensors": [_payload(_flattened_bucket(real))], "load_format": "flattened_bucket",
+                "flush_cache": True, "weight_version": "v1"}
+        refused = server.post("/update_weights_from_tensor", json=body)
+        assert refused.status_code == 400 and refused.json() == {"success": False, "message": (
+            "update_weights_from_tensor must run between begin_weight_update() and end_weight_update()")}
+        assert server.post("/begin_weight_update", json={}).json()["success"]
+        unknown = server.post("/update_weights_from_tensor", json={
+            "serialized_named_tensors": [_payload([("model.norm.weight", real["model.norm.weight"])])],
+            "load_format": "bogus"})
+        assert unknown.status_code == 400 and unknown.json()["message"] == "Unknown load_format=bogus"
+        unsafe = server.post("/update_weights_from_tensor", json={
+            "serialized_named_tensors": [base64.b64encode(pickle.dumps(_Reduces(eval, "1"))).decode()]})
+        assert (unsafe.status_code, unsafe.json()["message"]) == (
+            400, "Blocked unsafe global (builtins.eval) during pickle deserialization")
+
+        loaded = server.post("/update_weights_from_tensor", json=body)
+        assert loaded.status_code == 200, loaded.text
+        assert loaded.json() == {"success": True, "message": "Success Weight version updated to v1."}
+        norm = torch.full((32,), 0.5)
+        pairs = server.post("/update_weights_from_tensor", json={  # load_format None: (name, tensor) pairs
+            "serialized_named_tensors": [_payload([("model.norm.weight", norm)])]})
+        assert pairs.status_code == 200, pairs.text
+        assert server.post("/end_weight_update", json={}).json()["success"]
+
+        for name, tensor in (real | {"model.norm.weight": norm}).items():
+            assert _read(server, name, tensor.shape[0]).equal(tensor), name
+        assert server.get("/model_info").json()["weight_version"] == "v1"
+        loads = [e for e in server.get("/_standin/requests").json()
+                 if e["path"] == "/update_weights_from_tensor" and e["status"] == 200]
+        assert all("torch.storage._load_from_bytes" in e["globals"] for e in loads) and len(loads) == 2
