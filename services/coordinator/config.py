@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import ipaddress
 import re
+import urllib.parse
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -114,6 +116,23 @@ class SglangConfig:
             _check(value == value and 0 < value <= 86400, name, f"must be seconds in (0, 86400], got {value}")
         _check("--api-key" not in self.args, "args", "--api-key is set by rlfleet (a random key per child)")
 
+    @property
+    def local(self) -> bool:
+        """Started by the rollout service, or attached over loopback (a sidecar in the pod)."""
+        host = (urllib.parse.urlsplit(self.url).hostname or "") if self.url else "127.0.0.1"
+        try:
+            return ipaddress.ip_address(host).is_loopback
+        except ValueError:
+            return host == "localhost"
+
+    @property
+    def tp_size(self) -> int:
+        """SGLang's tensor-parallel ranks per engine (--tp in args; 1 by default)."""
+        for flag in ("--tp", "--tp-size", "--tensor-parallel-size"):
+            if flag in self.args and self.args.index(flag) + 1 < len(self.args):
+                return int(self.args[self.args.index(flag) + 1])
+        return 1
+
 
 @dataclass(frozen=True, kw_only=True)
 class RolloutConfig:
@@ -133,7 +152,7 @@ class RolloutConfig:
             decode graphs are freed whenever the engine releases its memory (colocate).
         cuda_graphs: replay each decode step as a captured CUDA graph (GPU engines).
         engine: torch (the built-in engine) or sglang (an SGLang server per engine, driven over
-            its HTTP API; weights reach it by broadcast only).
+            its HTTP API; weights reach it by broadcast, or by CUDA IPC on the trainer's GPU).
         sglang: the SGLang servers (engine sglang).
     """
 
@@ -656,10 +675,16 @@ class JobConfig:
                 f"samples of one prompt; got {self.rollout.samples_per_prompt}",
             )
         if self.rollout.engine == "sglang":
-            _check(self.weight_sync.verify != "exact", "weight_sync.verify",
-                   "exact verification reads back what an engine loaded; SGLang exposes no way to (use fingerprint)")
-            _check(self.weight_sync.plane in ("auto", "broadcast"), "weight_sync.plane",
-                   f"SGLang engines take weights by broadcast only, got {self.weight_sync.plane}")
+            tp = self.rollout.sglang.tp_size
+            _check(self.weight_sync.verify != "exact" or tp == 1, "weight_sync.verify",
+                   f"exact verification reads weights back through SGLang's /get_weights_by_name, which with --tp {tp} "
+                   "returns only rank 0's shard of most weights (use fingerprint)")
+            _check(self.weight_sync.plane in ("auto", "broadcast", "cuda_ipc"), "weight_sync.plane",
+                   f"SGLang engines take weights by broadcast or, on the trainer's GPU, by cuda_ipc; got "
+                   f"{self.weight_sync.plane}")
+            _check(self.weight_sync.plane != "cuda_ipc" or (tp == 1 and self.rollout.sglang.local), "weight_sync.plane",
+                   "cuda_ipc hands SGLang CUDA IPC handles in a pickle: only to an SGLang on the engine's host, "
+                   "reached over loopback (started by rlfleet, or a sidecar), with one rank (--tp 1)")
         scheduler = self.trainer.scheduler
         if scheduler.kind != "constant":
             decay_steps = scheduler.total_decay_steps(self.num_rollout)

@@ -119,6 +119,7 @@ class RolloutEngine:
         self._arranged: tuple[tuple, list[torch.UntypedStorage]] | None = None
         self.swapped = False  # whether the last `apply` swapped memory (see there)
         self.holds_buffers = False  # whether the model took the last `apply`'s buffers as its weights
+        self.keeps_staging = True  # the next update is received into the set the model does not hold
         self._plans: list[tuple[tuple, list]] = []  # adoption plans of owned buffer sets, newest first
         self._lock = threading.Lock()
 

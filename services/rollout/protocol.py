@@ -28,6 +28,7 @@ class GenerationEngine(Protocol):
     released: set[str]
     checkpoint_step: int
     holds_buffers: bool  # the last `apply` kept the staged buffers as the model's weights
+    keeps_staging: bool  # receive buffers may stay allocated between updates (False: freed after each)
     last_apply_seconds: float
 
     @property
@@ -62,9 +63,10 @@ class GenerationEngine(Protocol):
     def close(self) -> None: ...
 
 
-class ReceivesBroadcast(Protocol):
-    """An engine that joins broadcast groups and receives the buckets itself (SGLang does):
-    `receives` holds "broadcast", and the servicer hands it the group and the update."""
+class ReceivesItself(Protocol):
+    """An engine that takes some planes' bytes itself (SGLang does): for each source in
+    `receives` ("broadcast": it joins the group; "cuda_ipc": it opens the trainer's handles) the
+    servicer hands it the update instead of receiving the buckets."""
 
     receives: frozenset[str]
 
@@ -73,7 +75,10 @@ class ReceivesBroadcast(Protocol):
 
     def destroy_group(self, group_name: str) -> bool: ...
 
-    def update_from_broadcast(self, manifest: Manifest, group_name: str, timeout_s: float) -> int: ...
+    def update_from_broadcast(self, manifest: Manifest, group_name: str, timeout_s: float,
+                              read_back: bool = False) -> int: ...
+
+    def update_from_cuda_ipc(self, manifest: Manifest, handles, timeout_s: float, read_back: bool = False) -> int: ...
 
 
 def build_engine(settings) -> GenerationEngine:

@@ -248,11 +248,13 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
         self.metrics.serving.set(1.0)
 
     def _update_by_engine(self, engine, request, manifest, timeout_s: float, started: float):
-        if request.verify == weights_pb2.VERIFY_MODE_EXACT:
-            raise ValueError("verify: exact verification needs the engine to read back what it loaded; "
-                             "this engine cannot (use fingerprint)")
+        read_back = request.verify == weights_pb2.VERIFY_MODE_EXACT
+        source = request.WhichOneof("source")
         try:
-            copied = engine.update_from_broadcast(manifest, request.broadcast.group_name, timeout_s)
+            if source == "broadcast":
+                copied = engine.update_from_broadcast(manifest, request.broadcast.group_name, timeout_s, read_back)
+            else:
+                copied = engine.update_from_cuda_ipc(manifest, list(request.cuda_ipc.handles), timeout_s, read_back)
         except WeightSyncError as e:
             self.metrics.updates_failed.inc()
             self.metrics.serving.set(0.0)
@@ -260,11 +262,14 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
             log.warning("update to version %d failed: %s", manifest.version, e)
             raise
         seconds = time.perf_counter() - started
-        self._update_metrics(request.WhichOneof("source"), copied, seconds, manifest.version)
-        log.info("weights version %d: %.1f MB loaded by the engine in %.1f ms", manifest.version, copied / 1e6,
-                 1e3 * seconds)
-        # fingerprints: none. The engine loaded bytes it cannot fingerprint (see docs/sglang.md).
-        return rollout_pb2.UpdateWeightsResponse(version=manifest.version, seconds=seconds, bytes=copied)
+        self._update_metrics(source, copied, seconds, manifest.version)
+        log.info("weights version %d: %.1f MB loaded by the engine in %.1f ms%s", manifest.version, copied / 1e6,
+                 1e3 * seconds, " (read back and verified)" if read_back else "")
+        # Fingerprints only when the engine read its weights back; otherwise it loaded bytes it
+        # cannot fingerprint (see docs/sglang.md).
+        prints = [b.fingerprint for b in manifest.buckets] if read_back else []
+        return rollout_pb2.UpdateWeightsResponse(version=manifest.version, seconds=seconds, bytes=copied,
+                                                 fingerprints=prints)
 
     def _receive_and_apply(self, engine, request, manifest, read_back: bool, timeout_s: float) -> int:
         source = request.WhichOneof("source")
@@ -293,6 +298,8 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
                 raise
         copied = engine.apply(manifest, buffers, read_back=read_back, adopt=True, owned=True)
         self._staging.adopted(buffers, kept=engine.holds_buffers)
+        if not engine.keeps_staging:  # it copied them out (SGLang): no second copy of the weights stays here
+            self._staging.clear()
         self._shm.release()  # no longer serving a trainer's segments, if it ever did
         return copied
 

@@ -5,6 +5,7 @@ packed gloo broadcast, survives its death, and a whole `rlfleet run` job trains 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -23,8 +24,9 @@ from services.coordinator.clients import RolloutClient, TrainerClient
 from services.rollout.engine import EngineUnavailable, RolloutSettings, SglangSettings
 from services.rollout.server import RolloutServicer, build_server as build_rollout_server
 from services.rollout.sglang.client import SglangClient, SglangRefused
+from services.rollout.sglang.process import SglangProcess
 from services.trainer.server import build_server as build_trainer_server
-from tests.conftest import make_syncer
+from tests.conftest import make_syncer, make_tiny_model
 
 pytestmark = pytest.mark.sglang
 ROOT = Path(__file__).resolve().parents[2]
@@ -47,9 +49,13 @@ def _requests(url: str, key: str | None) -> list[dict]:
     return SglangClient(url, key).call("/_standin/requests", method="GET")
 
 
-def test_generate_and_a_packed_broadcast_sync_through_sglang(tiny_model_dir):
+@contextlib.contextmanager
+def _services(model_dir, *, load_weights: bool = True):
+    """A trainer, an SGLang engine over the stand-in and a built-in engine for comparison, each a
+    gRPC server on loopback; the SGLang engine's servicer is built here to reach its engine (and
+    SGLang's request log). Yields (trainer, sglang, reference, servicer, pool)."""
     trainer_server = build_trainer_server("127.0.0.1:0")
-    servicer = RolloutServicer()  # built by hand to reach its engine (and SGLang's request log)
+    servicer = RolloutServicer()
     sglang_server = rpc.create_server(lambda s: rollout_pb2_grpc.add_RolloutServicer_to_server(servicer, s),
                                       ("rlfleet.v1.Rollout",), address="127.0.0.1:0")
     sglang_server.on_stop.append(servicer.close)
@@ -57,13 +63,24 @@ def test_generate_and_a_packed_broadcast_sync_through_sglang(tiny_model_dir):
     pool = ThreadPoolExecutor(8)
     try:
         trainer = TrainerClient(f"127.0.0.1:{trainer_server.port}")
-        trainer.configure(trainer_pb2.TrainerConfig(model_path=str(tiny_model_dir), bucket_bytes=4096,
+        trainer.configure(trainer_pb2.TrainerConfig(model_path=str(model_dir), bucket_bytes=4096,
                                                     optimizer=trainer_pb2.OptimizerConfig(lr=0.05)))
         sglang = RolloutClient(f"127.0.0.1:{sglang_server.port}")
-        caps = sglang.configure(_sglang_config(tiny_model_dir))
-        assert caps.configured and sglang.capabilities.packed_broadcast
-        reference = RolloutClient(f"127.0.0.1:{torch_server.port}")  # the built-in engine, for comparison
-        reference.configure(rollout_pb2.RolloutConfig(model_path=str(tiny_model_dir), load_weights=True))
+        config = _sglang_config(model_dir)
+        config.load_weights = load_weights
+        sglang.configure(config)
+        reference = RolloutClient(f"127.0.0.1:{torch_server.port}")
+        reference.configure(rollout_pb2.RolloutConfig(model_path=str(model_dir), load_weights=True))
+        yield trainer, sglang, reference, servicer, pool
+    finally:
+        pool.shutdown(wait=False)
+        for server in (trainer_server, sglang_server, torch_server):
+            server.stop(0)
+
+
+def test_generate_and_a_packed_broadcast_sync_through_sglang(tiny_model_dir):
+    with _services(tiny_model_dir) as (trainer, sglang, reference, servicer, pool):
+        assert sglang.capabilities.packed_broadcast
 
         prompts = ["1+2=", "3+4="]
         greedy = rollout_pb2.SamplingParams(temperature=0.0, max_new_tokens=4, n=3)
@@ -118,10 +135,68 @@ def test_generate_and_a_packed_broadcast_sync_through_sglang(tiny_model_dir):
         first, last = paths.index("/update_weights_from_distributed"), len(paths) - 1 - paths[::-1].index(
             "/update_weights_from_distributed")
         assert paths[first - 1] == "/begin_weight_update" and paths[last + 1] == "/end_weight_update"
-    finally:
-        pool.shutdown(wait=False)
-        for server in (trainer_server, sglang_server, torch_server):
-            server.stop(0)
+
+
+def test_exact_verification_reads_back_what_sglang_loaded(tmp_path):
+    """verify: exact starts SGLang from random weights (--load-format dummy); after the sync every
+    tensor is read back through /get_weights_by_name and must carry the trainer's fingerprint.
+    A value SGLang reads back wrong fails the sync and takes the engine out of the pool."""
+    model = make_tiny_model(tmp_path / "llama", architecture="llama")  # SGLang reads back Llama's weights
+    with _services(model, load_weights=False) as (trainer, sglang, reference, servicer, pool):
+        engine = servicer._engine
+        key = engine.client._headers["Authorization"].split()[-1]
+        assert "--load-format" in engine.process.args and "dummy" in engine.process.args
+
+        syncer = make_syncer(trainer, [sglang], pool, exact=True, timeout_s=60)
+        result = syncer.sync({0})
+        assert result.ok == {0}, result.failures
+        prompts, greedy = ["1+2=", "3+4="], rollout_pb2.SamplingParams(temperature=0.0, max_new_tokens=4)
+        assert [c.output_ids for c in sglang.generate(prompts, greedy)] == \
+            [c.output_ids for c in reference.generate(prompts, greedy)]
+        log = [r for r in _requests(engine.client.url, key) if r["path"] == "/get_weights_by_name"]
+        manifest = trainer.weight_manifest("sha256", weights_pb2.WEIGHT_PLANE_BROADCAST)
+        read = {r["body"]["name"] for r in log[1:]}  # the first is the probe made at Configure
+        assert read == {t.name for b in manifest.buckets for t in b.tensors} and all(r["status"] == 200 for r in log)
+
+        # SGLang answers one value wrong: the sync fails naming the bucket, the engine stops serving.
+        real = engine.client.get_weights_by_name
+
+        def one_value_off(name, truncate_size, timeout_s):
+            values = real(name, truncate_size, timeout_s)
+            if name == "model.norm.weight":
+                values[0] += 1.0
+            return values
+
+        engine.client.get_weights_by_name = one_value_off
+        batch = trainer_pb2.Batch(samples=[trainer_pb2.Sample(prompt_ids=[3, 4], response_ids=[5], advantage=1.0)])
+        trainer.train_step(batch)
+        result = syncer.sync({0})
+        assert "reads back from SGLang as" in result.failures[sglang.address]
+        with pytest.raises(Exception, match="reads back from SGLang"):
+            sglang.generate(prompts, greedy)
+
+
+def test_exact_verification_is_refused_at_configure_when_sglang_cannot_read_the_model_back(tiny_model_dir,
+                                                                                          monkeypatch):
+    """SGLang 0.5.23's Qwen3 model has no get_weights_by_name: the engine says so when configured
+    for exact verification, before any weights move, and leaves no SGLang child behind."""
+    from services.rollout.sglang.engine import SglangEngine
+
+    settings = RolloutSettings(model_path=str(tiny_model_dir), engine="sglang", load_weights=False,
+                               sglang=SglangSettings(command=tuple(STANDIN), startup_timeout_s=120))
+    children = []
+    real_start = SglangProcess.start
+
+    def start(process):
+        client = real_start(process)
+        children.append(process.child)
+        return client
+
+    monkeypatch.setattr(SglangProcess, "start", start)
+    with pytest.raises(ValueError, match="Qwen3ForCausalLM.*use fingerprint"):
+        SglangEngine(settings)
+    (child,) = children
+    assert child.poll() is not None  # stopped, not left running
 
 
 def result_manifest_buckets(trainer: TrainerClient) -> list:
@@ -183,6 +258,7 @@ def test_an_rl_job_trains_through_sglang_engines(tmp_path):
           sglang: {{command: {json.dumps(STANDIN)}, startup_timeout_s: 120}}
         data: {{train: {EXAMPLE / 'data' / 'train.jsonl'}}}
         reward: {{kind: exact_match}}
+        weight_sync: {{verify: exact}}
         eval: {{datasets: [{{name: heldout, path: {EXAMPLE / 'data' / 'test.jsonl'}, limit: 300,
                             sampling: {{temperature: 0.0, max_new_tokens: 5}}}}]}}
         trainer: {{micro_batch_size: 256, colocate: true, optimizer: {{lr: 1.0e-4, betas: [0.9, 0.99]}}}}

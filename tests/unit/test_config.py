@@ -320,6 +320,20 @@ def test_bad_ppo_settings_name_the_field(overrides, message):
     assert message in error_of(overrides)
 
 
+def test_sglang_engines_take_exact_verification_and_the_colocated_plane_where_they_can():
+    sglang = {"engine": "sglang", "sglang": {"args": ["--tp", "1"]}}
+    cfg = parse({"rollout": sglang, "weight_sync": {"plane": "cuda_ipc", "verify": "exact"}})
+    assert cfg.rollout.sglang.tp_size == 1 and cfg.weight_sync.plane == "cuda_ipc"
+    tp2 = {"engine": "sglang", "sglang": {"args": ["--tp", "2"]}}
+    assert "returns only rank 0's shard" in error_of({"rollout": tp2, "weight_sync": {"verify": "exact"}})
+    assert "--tp 1" in error_of({"rollout": tp2, "weight_sync": {"plane": "cuda_ipc"}})
+    remote = {"engine": "sglang", "sglang": {"url": "http://10.0.0.5:30000"}}
+    assert "reached over loopback" in error_of({"rollout": remote, "weight_sync": {"plane": "cuda_ipc"}})
+    sidecar = {"engine": "sglang", "sglang": {"url": "http://127.0.0.1:30000"}}
+    assert parse({"rollout": sidecar, "weight_sync": {"plane": "cuda_ipc"}}).rollout.sglang.local
+    assert "got shm" in error_of({"rollout": sglang, "weight_sync": {"plane": "shm"}})
+
+
 @pytest.mark.parametrize("advantage", ["grpo", "dr_grpo", "reinforce_pp_baseline"])
 def test_group_baselines_need_a_group(advantage):
     message = error_of({"algorithm": {"advantage": advantage}, "rollout": {"samples_per_prompt": 1}})

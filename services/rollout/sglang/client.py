@@ -106,6 +106,21 @@ class SglangClient:
             body["weight_version"] = weight_version
         return self._checked("/update_weights_from_distributed", body, timeout_s)
 
+    def update_weights_from_tensor(self, *, serialized_named_tensors: list[str], flush_cache: bool,
+                                   weight_version: str | None, timeout_s: float) -> dict:
+        """One flattened bucket per call, `serialized_named_tensors[r]` for tensor-parallel rank r
+        (a pickle of CUDA IPC handles, base64: see `services.rollout.sglang.ipc`)."""
+        body = {"serialized_named_tensors": serialized_named_tensors, "load_format": "flattened_bucket",
+                "flush_cache": flush_cache}
+        if weight_version is not None:
+            body["weight_version"] = weight_version
+        return self._checked("/update_weights_from_tensor", body, timeout_s)
+
+    def get_weights_by_name(self, name: str, truncate_size: int, timeout_s: float) -> list:
+        """The first `truncate_size` rows of a Hugging Face-named weight as SGLang holds it, as
+        float32 values (SGLang's model classes that implement it; 400 for the others)."""
+        return self.call("/get_weights_by_name", {"name": name, "truncate_size": truncate_size}, timeout_s=timeout_s)
+
     def begin_weight_update(self) -> bool:
         """Open an update session (SGLang 0.5.23 refuses weight updates outside one); False on an
         older SGLang, which has no such route and needs none."""

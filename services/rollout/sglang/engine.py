@@ -2,31 +2,39 @@
 
 The servicer sees the same `GenerationEngine` as for the built-in engine; this adapter
 translates. Generation is `/generate` with token ids in and token ids, logprobs and SGLang's
-`weight_version` out. Weights come only by broadcast: SGLang itself joins the trainer's group
-(`/init_weights_update_group`) and receives each bucket packed (`load_format:
-flattened_bucket`, one `/update_weights_from_distributed` per bucket, the trainer sending the
-bucket's tensors back to back). No generation runs while an update is in progress (the adapter's
-own lock, held across all of a version's buckets), and the last bucket flushes SGLang's prefix
-cache and sets its weight version, so a completion never mixes two versions. An update that
-fails part-way leaves SGLang holding part of the new weights: the engine leaves the pool until a
-full update succeeds.
+`weight_version` out. Weights reach SGLang two ways, both loaded by SGLang itself:
 
-What cannot be verified: SGLang reports success but exposes no fingerprint of what it loaded in
-rlfleet's algorithms (its `/weights_checker` checksums its own fused, sharded parameters), so
-`verify: exact` is refused for SGLang engines and fingerprint verification covers the bytes the
-trainer sent, not what SGLang holds. The colocated CUDA-IPC plane (`/update_weights_from_tensor`)
-carries a pickle of IPC handles and is not offered: it needs a GPU, and the pickle may only ever
-travel between processes of one host over loopback.
+- broadcast: SGLang joins the trainer's group (`/init_weights_update_group`) and receives each
+  bucket packed (`load_format: flattened_bucket`, one `/update_weights_from_distributed` per
+  bucket, the trainer sending the bucket's tensors back to back);
+- colocated, on the trainer's GPU: one `/update_weights_from_tensor` per bucket whose payload
+  points SGLang at the bucket's GPU memory by CUDA IPC handle (`services.rollout.sglang.ipc`: a
+  pickle, so offered only when SGLang is reached over loopback). The memory is the trainer's
+  staged copy, or, when the trainer sleeps, this service's upload of the trainer's host copy.
+
+No generation runs while an update is in progress (the adapter's own lock, held across all of a
+version's buckets), and the last bucket flushes SGLang's prefix cache and sets its weight
+version, so a completion never mixes two versions. An update that fails part-way leaves SGLang
+holding part of the new weights: the engine leaves the pool until a full update succeeds.
+
+Verification: with `verify: exact`, SGLang starts from random weights (`--load-format dummy`) and
+after each update every tensor is read back through `/get_weights_by_name`, packed as the
+manifest lays it out, and must have the trainer's fingerprint. SGLang implements that route for
+some model classes only (Llama's in 0.5.23, not Qwen2's or Qwen3's) and, with tensor parallel,
+returns only rank 0's shard of most weights: exact verification is refused for those. Otherwise
+(`fingerprint`) the trainer's fingerprints cover the bytes it sent, not what SGLang holds.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import itertools
 import logging
 import os
 import re
 import threading
 import time
+import urllib.parse
 from typing import Callable
 
 import torch
@@ -37,12 +45,14 @@ from services.models.checkpoint import checkpoint_step, load_config
 from services.models.decoder import DecoderLM, torch_dtype
 from services.rollout.builtin.scheduler import GenerationCancelled
 from services.rollout.engine import EngineStateError, EngineUnavailable
+from services.rollout.sglang import ipc
 from services.rollout.sglang.client import SglangClient, SglangError, SglangRefused, SglangUnavailable
 from services.rollout.sglang.process import SglangProcess
 from services.rollout.types import Generation, Sampling, validate_prompts
 from services.weights import capabilities
-from services.weights.buckets import Manifest, dtype_name
+from services.weights.buckets import Manifest, TensorSpec, dtype_name, pack_bucket, parse_dtype
 from services.weights.errors import WeightSyncError
+from services.weights.fingerprint import fingerprint
 from services.weights.manifest import ManifestReader
 
 log = logging.getLogger("rlfleet.rollout")
@@ -69,6 +79,8 @@ class SglangEngine:
         self.weight_version = self.checkpoint_step
         self.serving, self.last_error, self.released = True, "", set()
         self.holds_buffers, self.last_apply_seconds = False, 0.0
+        self.keeps_staging = False  # SGLang copies every update out: no second copy stays on the device
+        self._reads_back: bool | None = None  # whether SGLang answers /get_weights_by_name for this model
         self._lock = threading.RLock()  # generation holds it; an update holds it across all its buckets
         self.process: SglangProcess | None = None
         if s.url:
@@ -79,12 +91,22 @@ class SglangEngine:
             args = list(s.args)
             if self.device.type == "cuda" and "--base-gpu-id" not in args:  # SGLang on the engine's GPU
                 args += ["--base-gpu-id", str(self.device.index or 0)]
+            if not settings.load_weights and "--load-format" not in args:  # exact verification: only a sync fixes them
+                args += ["--load-format", "dummy"]
             self.process = SglangProcess(model_path=settings.model_path, command=list(s.command), args=args,
                                          memory_saver=s.memory_saver, startup_timeout_s=s.startup_timeout_s,
                                          request_timeout_s=s.request_timeout_s)
             self.client = self.process.start()
             self.process.watch(self._child_exited)
         self.tp_size = _tp_size(list(s.args))
+        # The colocated plane hands SGLang a pickle: only ever to a server on this host, over loopback.
+        self.local = self.process is not None or _is_loopback(self.client.url)
+        if not settings.load_weights:  # the job verifies exactly: only a sync gives SGLang the weights
+            try:
+                self._check_reads_back()
+            except BaseException:
+                self.close()
+                raise
         version = str((self.client.model_info() or {}).get("weight_version", ""))
         if re.fullmatch(r"-?\d+", version):  # a server we attached to may already hold a synced version
             self.weight_version = int(version)
@@ -98,12 +120,20 @@ class SglangEngine:
     def max_positions(self) -> int:
         return self.model_config.max_position_embeddings
 
-    receives = frozenset({"broadcast"})  # the planes whose bytes SGLang takes itself
+    receives = frozenset({"broadcast", "cuda_ipc"})  # the planes whose bytes SGLang takes itself
+
+    @property
+    def takes_cuda_ipc(self) -> bool:
+        """SGLang on a GPU of this host, reached over loopback, one rank (a payload per rank would
+        need a handle per rank's GPU)."""
+        return self.device.type == "cuda" and self.local and self.tp_size == 1
 
     def capabilities(self):
         caps = capabilities.local(self.device)  # the host, and the GPU SGLang runs on (rollout device)
         del caps.planes[:]
         caps.planes.append(weights_pb2.WEIGHT_PLANE_BROADCAST)
+        if self.takes_cuda_ipc:
+            caps.planes.append(weights_pb2.WEIGHT_PLANE_CUDA_IPC)
         del caps.broadcast_backends[:]
         caps.broadcast_backends.append("nccl" if self.device.type == "cuda" else "gloo")
         caps.packed_broadcast, caps.broadcast_ranks = True, self.tp_size
@@ -156,8 +186,26 @@ class SglangEngine:
     def read_manifest(self, msg) -> Manifest:
         return self._manifests.read(msg)
 
-    def apply(self, manifest: Manifest, buffers, **_) -> int:
-        raise ValueError("source: an SGLang engine takes weights only by broadcast (SGLang receives them itself)")
+    def apply(self, manifest: Manifest, buffers, *, read_back: bool = False, **_) -> int:
+        """Buckets already in this process's GPU memory (an offloaded trainer's host copy, uploaded
+        and verified here): SGLang loads them from here by CUDA IPC."""
+        if not self.takes_cuda_ipc or any(b.device.type != "cuda" for b in buffers):
+            raise ValueError("source: an SGLang engine takes weights by broadcast, or by CUDA IPC on its own GPU")
+        payloads = ipc.local_payloads(buffers, list(manifest.buckets))
+        return self._update(manifest, self._from_tensor(payloads), read_back=read_back)
+
+    def update_from_cuda_ipc(self, manifest: Manifest, handles, timeout_s: float, read_back: bool = False) -> int:
+        """The trainer's staged buckets on this GPU: SGLang opens each handle and copies from it
+        (this process never opens them: a handle has one consumer)."""
+        if not self.takes_cuda_ipc:
+            raise ValueError("source: cuda_ipc needs SGLang on this host's GPU, over loopback, with one rank")
+        by_bucket = {h.bucket: h for h in handles}
+        missing = [b.index for b in manifest.buckets if b.index not in by_bucket]
+        if missing or len(by_bucket) != len(manifest.buckets):
+            raise ValueError(f"cuda_ipc: {len(handles)} handles for {len(manifest.buckets)} buckets"
+                             + (f" (none for bucket {missing[0]})" if missing else ""))
+        payloads = [ipc.bucket_payload(by_bucket[b.index], b) for b in manifest.buckets]
+        return self._update(manifest, self._from_tensor(payloads, timeout_s), timeout_s, read_back)
 
     def init_group(self, *, master_address: str, master_port: int, rank_offset: int, world_size: int,
                    group_name: str, backend: str, timeout_s: float) -> None:
@@ -175,31 +223,90 @@ class SglangEngine:
         except SglangError:
             return False  # no such group, or SGLang is gone: nothing left to destroy
 
-    def update_from_broadcast(self, manifest: Manifest, group_name: str, timeout_s: float) -> int:
-        """One `/update_weights_from_distributed` per bucket, in manifest order, while no
-        generation runs; the last one flushes the prefix cache and sets the weight version."""
+    def update_from_broadcast(self, manifest: Manifest, group_name: str, timeout_s: float,
+                              read_back: bool = False) -> int:
+        """One `/update_weights_from_distributed` per bucket while the trainer broadcasts it."""
+        def send(k: int, bucket, version: str | None) -> None:
+            self.client.update_weights_from_distributed(
+                names=[t.name for t in bucket.tensors], dtypes=[t.dtype for t in bucket.tensors],
+                shapes=[list(t.shape) for t in bucket.tensors], group_name=group_name,
+                flush_cache=version is not None, weight_version=version, timeout_s=timeout_s + 30,
+            )
+        return self._update(manifest, send, timeout_s, read_back)
+
+    def _from_tensor(self, payloads: list[str], timeout_s: float | None = None):
+        def send(k: int, bucket, version: str | None) -> None:
+            self.client.update_weights_from_tensor(
+                serialized_named_tensors=[payloads[k]], flush_cache=version is not None, weight_version=version,
+                timeout_s=(timeout_s or self.client.timeout_s) + 30,
+            )
+        return send
+
+    def _update(self, manifest: Manifest, send, timeout_s: float | None = None, read_back: bool = False) -> int:
+        """Every bucket of a version, in manifest order, while no generation runs; the last one
+        flushes the prefix cache and sets the weight version. With `read_back`, SGLang's weights
+        are then read back and must carry the manifest's fingerprints."""
         started = time.perf_counter()
         with self._lock:
             if "weights" in self.released:
                 raise EngineStateError("UpdateWeights: weights are released; call ResumeMemory(weights) first")
+            if read_back:
+                self._check_reads_back()
             last, k = len(manifest.buckets) - 1, 0
             try:
                 session = self.client.begin_weight_update()  # SGLang >= 0.5.23 refuses updates outside one
                 for k, bucket in enumerate(manifest.buckets):
-                    self.client.update_weights_from_distributed(
-                        names=[t.name for t in bucket.tensors], dtypes=[t.dtype for t in bucket.tensors],
-                        shapes=[list(t.shape) for t in bucket.tensors], group_name=group_name,
-                        flush_cache=k == last, weight_version=str(manifest.version) if k == last else None,
-                        timeout_s=timeout_s + 30,
-                    )
+                    send(k, bucket, str(manifest.version) if k == last else None)
                 if session:
                     self.client.end_weight_update()
             except SglangError as e:
                 self._close_session()
                 raise WeightSyncError(f"SGLang failed to load bucket {k} of version {manifest.version}: {e}") from e
+            if read_back:
+                self._read_back(manifest)
             self.weight_version, self.serving, self.last_error = manifest.version, True, ""
         self.last_apply_seconds = time.perf_counter() - started
         return manifest.total_bytes
+
+    # ---- exact verification: what SGLang holds, read back ---------------------------------------
+    def _check_reads_back(self) -> None:
+        """Refuse exact verification before loading anything if SGLang cannot read weights back."""
+        if self.tp_size > 1:
+            raise ValueError(f"verify: exact reads weights back through SGLang's /get_weights_by_name, which with "
+                             f"--tp {self.tp_size} returns only rank 0's shard of most weights (use fingerprint)")
+        if self._reads_back is None:
+            try:
+                self.client.get_weights_by_name(next(iter(self._expected)), 1, timeout_s=60)
+                self._reads_back = True
+            except SglangRefused as e:
+                arch = self.model_config.to_hf_dict()["architectures"][0]
+                raise ValueError(f"verify: exact reads weights back through SGLang's /get_weights_by_name, which "
+                                 f"SGLang does not answer for {arch} ({e.message}); SGLang 0.5.23 implements it for "
+                                 "Llama-family models only (use fingerprint)") from e
+            except SglangError as e:
+                raise EngineUnavailable(f"SGLang did not answer /get_weights_by_name: {e}") from e
+
+    def _read_back(self, manifest: Manifest) -> None:
+        for spec in manifest.buckets:
+            tensors = {t.name: self._read_tensor(t) for t in spec.tensors}
+            actual = fingerprint(pack_bucket(spec, tensors), manifest.fingerprint_algo)
+            if actual != spec.fingerprint:
+                self.leave_pool(f"bucket {spec.index} of version {manifest.version} reads back from SGLang as "
+                                f"{actual}, expected {spec.fingerprint}")
+                raise WeightSyncError(f"weights did not verify after loading: {self.last_error}")
+
+    def _read_tensor(self, t: TensorSpec) -> torch.Tensor:
+        """One weight as SGLang holds it: its float32 values give back the exact bf16/fp16/fp32 bits."""
+        try:
+            values = self.client.get_weights_by_name(t.name, t.shape[0] if t.shape else 1, timeout_s=None)
+        except SglangError as e:
+            self.leave_pool(f"SGLang could not read back {t.name}: {e}")
+            raise WeightSyncError(self.last_error) from e
+        tensor = torch.tensor(values, dtype=torch.float32)
+        if tuple(tensor.shape) != tuple(t.shape):
+            self.leave_pool(f"SGLang reads {t.name} back as shape {list(tensor.shape)}, the manifest says {list(t.shape)}")
+            raise WeightSyncError(self.last_error)
+        return tensor.to(parse_dtype(t.dtype))
 
     def _close_session(self) -> None:
         """After a failed update: SGLang refuses to open a second session over an open one."""
@@ -300,6 +407,14 @@ def _prompt_of(k: int, num_prompts: int, n: int) -> int:
     """Which prompt SGLang's k-th batched answer belongs to: SGLang answers prompt-major (the n
     samples of prompt 0, then of prompt 1, ...; read from 0.5.23's tokenizer manager)."""
     return k // n
+
+
+def _is_loopback(url: str) -> bool:
+    host = urllib.parse.urlsplit(url).hostname or ""
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
 
 
 def _tp_size(args: list[str]) -> int:
