@@ -2,6 +2,10 @@
 # One device-machine session: install the carried wheels, then run the stages named in $@
 # (gpu-tests, engine-tests, sweep, rl, gap), each under its own time limit, logs and results in $OUT.
 #   bash bench/device.sh engine-tests sweep
+# Stage sglang reads SGLang's contract from a slice of the pinned wheel, carried as .whl-sglang/*.zip:
+#   (cd $(mktemp -d) && unzip -q ~/.cache/rlfleet/sglang-0.5.23/*.whl 'sglang/api/*' 'sglang/srt/*' &&
+#    zip -qr sglang-0.5.23-slim.zip sglang/api sglang/srt/entrypoints sglang/srt/managers/io_struct.py \
+#      sglang/srt/utils sglang/srt/weight_sync sglang/srt/models sglang/srt/model_loader/weight_utils.py && mv sglang-0.5.23-slim.zip -t .../.whl-sglang/)
 set -uo pipefail
 export PYTHONUNBUFFERED=1 RLFLEET_COMMIT=${RLFLEET_COMMIT:-unknown}
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl $(ls .whl-mcore/*.whl 2>/dev/null) || exit 1
@@ -14,6 +18,7 @@ for stage in "$@"; do
   case $stage in
     engine-tests) timeout 300 python3 -m pytest -q --timeout 240 tests/gpu/test_engine_gpu.py tests/gpu/test_rollout_updates_gpu.py 2>&1 | tee "$OUT/engine-tests.log" | tail -40 ;;
     ppo) timeout 420 python3 -m pytest -q --timeout 400 -rA -s tests/gpu/test_ppo_gpu.py 2>&1 | tee "$OUT/ppo-gpu.log" | grep -E "^actor|^rewards|PASS|FAIL|ERROR|passed|failed|^E " | tail -30 ;;
+    sglang) RLFLEET_SGLANG_WHEEL=$(ls $PWD/.whl-sglang/*.zip 2>/dev/null | head -1) timeout 300 python3 -m pytest -q --timeout 240 -rA -s tests/gpu/test_sglang_ipc_gpu.py 2>&1 | tee "$OUT/sglang-gpu.log" | grep -E "^sglang|PASS|FAIL|ERROR|passed|failed|^E " | tail -30 ;;
     lifecycle) timeout 120 python3 -m pytest -q --timeout 100 tests/gpu/test_lifecycle_gpu.py 2>&1 | tail -5 ;;
     service-tests) timeout 300 python3 -m pytest -q --timeout 240 -rA tests/gpu/test_never_mixed_gpu.py tests/gpu/test_seed_scenario_gpu.py 2>&1 | tee "$OUT/service-tests.log" | grep -E "^step|PASS|FAIL|passed|failed|^E " | tail -30 ;;
     gpu-tests) timeout 480 python3 -m pytest -q --timeout 240 -rA tests/gpu 2>&1 | tee "$OUT/gpu-tests.log" | grep -E "PASS|FAIL|ERROR|passed|failed|^E " | tail -60 ;;
