@@ -19,8 +19,14 @@ from tests.integration.conftest import run_job
 
 pytestmark = pytest.mark.faults
 
-SOURCES = sorted((Path(__file__).resolve().parents[2] / "services").rglob("*.py"))
+ROOT = Path(__file__).resolve().parents[2]
+SOURCES = sorted((ROOT / "services").rglob("*.py"))
 UNSAFE_MODULES = {"pickle", "cPickle", "dill", "cloudpickle", "marshal", "shelve", "joblib"}
+# The one module that may import pickle, and why: SGLang's /update_weights_from_tensor takes a pickle
+# of CUDA IPC handles. This module only writes one (pickle.dumps), for an SGLang on the same host
+# over loopback; nothing in rlfleet ever loads a pickle (checked below for every module).
+SANCTIONED_PICKLE_WRITERS = {"services/rollout/sglang/ipc.py"}
+PICKLE_LOADERS = {"pickle.load", "pickle.loads", "pickle.Unpickler", "cPickle.loads", "dill.loads"}
 
 
 def _calls(tree: ast.AST):
@@ -33,10 +39,12 @@ def test_no_module_imports_a_pickler_or_calls_an_unsafe_loader():
     problems = []
     for path in SOURCES:
         tree = ast.parse(path.read_text(), str(path))
+        sanctioned = path.relative_to(ROOT).as_posix() in SANCTIONED_PICKLE_WRITERS
         for node in ast.walk(tree):
             names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
                 [node.module or ""] if isinstance(node, ast.ImportFrom) else []
-            problems += [f"{path.name}:{node.lineno} imports {n}" for n in names if n.split(".")[0] in UNSAFE_MODULES]
+            problems += [f"{path.name}:{node.lineno} imports {n}" for n in names
+                         if n.split(".")[0] in UNSAFE_MODULES and not (sanctioned and n == "pickle")]
         for call, name in _calls(tree):
             keywords = {k.arg: ast.unparse(k.value) for k in call.keywords}
             where = f"{path.name}:{call.lineno} {name}"
@@ -46,7 +54,7 @@ def test_no_module_imports_a_pickler_or_calls_an_unsafe_loader():
                 problems.append(f"{where} without a safe Loader")
             if name.endswith("np.load") and keywords.get("allow_pickle") == "True":
                 problems.append(f"{where} with allow_pickle=True")
-            if name in ("eval", "exec", "pickle.loads", "torch.jit.load"):
+            if name in ("eval", "exec", "torch.jit.load") or name in PICKLE_LOADERS:
                 problems.append(where)
     assert not problems, problems
 
