@@ -87,7 +87,7 @@ def make_batch(batch: int, seq: int, prompt: int = 64) -> list[Sample]:
 def measure(backend: str, model_dir: Path, samples: list[Sample], args) -> dict:
     settings = TrainerSettings(
         model_path=str(model_dir), backend=backend, device=args.device, dtype="bfloat16", master_weights="fp32",
-        micro_batch_size=args.micro_batch, optimizer=OptimizerSettings(lr=1e-6),
+        micro_batch_size=args.micro_batch, optimizer=OptimizerSettings(lr=1e-6), compile=not args.eager,
     )
     trainer = build_backend(settings)
     try:
@@ -152,6 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--profile", action="store_true", help="print a kernel profile of one more step")
+    parser.add_argument("--eager", action="store_true", help="no torch.compile of the decoder layers (the default compiles)")
     parser.add_argument("--json", action="store_true", help="(the lines are JSON either way)")
     parser.add_argument("--out", type=Path)
     parser.add_argument("--png", type=Path)
@@ -184,6 +185,7 @@ def main(argv: list[str] | None = None) -> int:
                     "mfu": round(tflops / peak, 3) if peak else None, "peak_tflops": peak,
                     "matmul_tflops": round(matmul, 1), "ratio_to_matmul": round(tflops / matmul, 3),
                     **result, "step_s": round(result["step_s"], 3), "micro_batch": args.micro_batch,
+                    "compile": not args.eager,
                     "date": time.strftime("%Y-%m-%d"), "commit": commit(), "machine": machine(),
                 }
                 rows.append(row)

@@ -66,7 +66,7 @@ class LossConfig(_message.Message):
     def __init__(self, clip_eps_low: _Optional[float] = ..., clip_eps_high: _Optional[float] = ..., kl_coef: _Optional[float] = ..., kl_estimator: _Optional[str] = ..., entropy_coef: _Optional[float] = ..., loss_agg: _Optional[str] = ..., value_clip: _Optional[float] = ...) -> None: ...
 
 class TrainerConfig(_message.Message):
-    __slots__ = ("model_path", "backend", "device", "dtype", "seed", "optimizer", "scheduler", "loss", "tags", "eval_only", "offload", "colocate", "micro_batch_size", "bucket_bytes", "master_weights", "ranks", "tensor_parallel", "pipeline_parallel", "role")
+    __slots__ = ("model_path", "backend", "device", "dtype", "seed", "optimizer", "scheduler", "loss", "tags", "eval_only", "offload", "colocate", "micro_batch_size", "bucket_bytes", "master_weights", "ranks", "tensor_parallel", "pipeline_parallel", "role", "compile")
     MODEL_PATH_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
@@ -86,6 +86,7 @@ class TrainerConfig(_message.Message):
     TENSOR_PARALLEL_FIELD_NUMBER: _ClassVar[int]
     PIPELINE_PARALLEL_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
+    COMPILE_FIELD_NUMBER: _ClassVar[int]
     model_path: str
     backend: str
     device: str
@@ -105,7 +106,8 @@ class TrainerConfig(_message.Message):
     tensor_parallel: int
     pipeline_parallel: int
     role: str
-    def __init__(self, model_path: _Optional[str] = ..., backend: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., seed: _Optional[int] = ..., optimizer: _Optional[_Union[OptimizerConfig, _Mapping]] = ..., scheduler: _Optional[_Union[SchedulerConfig, _Mapping]] = ..., loss: _Optional[_Union[LossConfig, _Mapping]] = ..., tags: _Optional[_Iterable[str]] = ..., eval_only: _Optional[bool] = ..., offload: _Optional[bool] = ..., colocate: _Optional[bool] = ..., micro_batch_size: _Optional[int] = ..., bucket_bytes: _Optional[int] = ..., master_weights: _Optional[str] = ..., ranks: _Optional[_Union[RankGroup, _Mapping]] = ..., tensor_parallel: _Optional[int] = ..., pipeline_parallel: _Optional[int] = ..., role: _Optional[str] = ...) -> None: ...
+    compile: bool
+    def __init__(self, model_path: _Optional[str] = ..., backend: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., seed: _Optional[int] = ..., optimizer: _Optional[_Union[OptimizerConfig, _Mapping]] = ..., scheduler: _Optional[_Union[SchedulerConfig, _Mapping]] = ..., loss: _Optional[_Union[LossConfig, _Mapping]] = ..., tags: _Optional[_Iterable[str]] = ..., eval_only: _Optional[bool] = ..., offload: _Optional[bool] = ..., colocate: _Optional[bool] = ..., micro_batch_size: _Optional[int] = ..., bucket_bytes: _Optional[int] = ..., master_weights: _Optional[str] = ..., ranks: _Optional[_Union[RankGroup, _Mapping]] = ..., tensor_parallel: _Optional[int] = ..., pipeline_parallel: _Optional[int] = ..., role: _Optional[str] = ..., compile: _Optional[bool] = ...) -> None: ...
 
 class RankGroup(_message.Message):
     __slots__ = ("rank", "world_size", "address", "timeout_s")

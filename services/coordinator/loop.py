@@ -106,6 +106,7 @@ def trainer_config(job: JobConfig) -> trainer_pb2.TrainerConfig:
         master_weights=t.master_weights or "",
         tensor_parallel=t.tensor_parallel,
         pipeline_parallel=t.pipeline_parallel,
+        compile=t.compile,
     )
 
 

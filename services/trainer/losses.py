@@ -9,6 +9,8 @@ aggregations, and a log-ratio clamped to [-20, 20] before `exp` for numerical sa
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 KL_ESTIMATORS = ("k1", "k2", "k3", "low_var_kl")
@@ -26,13 +28,28 @@ def gather_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor
     """
     _same_shape(targets, logits.shape[:-1], "targets", "logits[..., 0]")
     if logits.dtype in (torch.float32, torch.float64):
-        picked = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1)  # [B, T]
-        return picked - torch.logsumexp(logits, dim=-1)
+        return _logprobs(logits, targets)
+    if logits.is_cuda:  # one fused pass in float32 registers: no float32 copy of the logits, forward or backward
+        return _fused_logprobs()(logits, targets)
     rows = []
     for row_logits, row_targets in zip(logits, targets):  # [T, V], [T]
         row_logprobs = torch.log_softmax(row_logits.float(), dim=-1)  # [T, V], one row at a time
         rows.append(row_logprobs.gather(-1, row_targets.unsqueeze(-1)).squeeze(-1))
     return torch.stack(rows)
+
+
+def _logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    logits = logits.float()
+    picked = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1)  # [B, T]
+    return picked - torch.logsumexp(logits, dim=-1)
+
+
+@functools.cache
+def _fused_logprobs():
+    """`_logprobs` through torch.compile: the upcast folds into the reductions, and backward
+    recomputes the softmax from the half-precision logits (about 30 GB less memory traffic a
+    step for 16k tokens over a 152k vocabulary)."""
+    return torch.compile(_logprobs, dynamic=None)
 
 
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:

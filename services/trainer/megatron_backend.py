@@ -36,7 +36,7 @@ from services.trainer.backend import SyncWeights
 from services.trainer.batch import PackedBatch, Sample
 from services.trainer.host_store import ACTOR, HostStore
 from services.trainer.ranks import DataParallel, RankError, world
-from services.trainer.torch_backend import TorchTrainer
+from services.trainer.torch_backend import TorchTrainer, compile_layers
 from services.weights.buckets import parse_dtype
 
 log = logging.getLogger("rlfleet.trainer")
@@ -65,6 +65,9 @@ class MegatronTrainer(TorchTrainer):
         self.model = megatron_model.build_model(self.model_config, dtype=dtype, device=self.device)
         megatron_model.load_hf_state(self.model, hf_model.state_dict(), self.model_config)
         del hf_model
+        if s.compile:
+            megatron_model.quiet_group_lookup()
+        compile_layers(self.model.decoder.layers, s)
         self.named = dict(self.model.named_parameters())
         dp_size = parallel_state.get_data_parallel_world_size()
         log.info("megatron: rank %d of %d, tensor parallel %d, pipeline parallel %d, data parallel %d",
@@ -83,7 +86,7 @@ class MegatronTrainer(TorchTrainer):
     def _forward(self, batch: PackedBatch) -> torch.Tensor:
         logits = megatron_model.forward_logits(self.model, batch.input_ids, batch.attention_mask,
                                                vocab_size=self.model_config.vocab_size)  # [B, T, V]
-        return logits[:, :-1].float()
+        return logits[:, :-1]  # in the model's dtype: the losses compute in float32
 
     def _complete_gradients(self) -> None:
         megatron_model.finalize_grads(self.model, self.model_config)
@@ -91,16 +94,11 @@ class MegatronTrainer(TorchTrainer):
     def _clip_gradients(self, params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
         """torch's clip_grad_norm_ over the whole model: tensor-parallel shards add up across the
         tensor group, replicated tensors (norms) count once, pipeline stages add up."""
-        sharded = torch.zeros((), dtype=torch.float32, device=self.device)
-        replicated = torch.zeros((), dtype=torch.float32, device=self.device)
+        sharded_grads, replicated_grads = [], []
         for owner, p in zip(self.params, params):
-            if p.grad is None:
-                continue
-            square = p.grad.detach().float().pow(2).sum()
-            if getattr(owner, "tensor_model_parallel", False):
-                sharded += square
-            else:
-                replicated += square
+            if p.grad is not None:
+                (sharded_grads if getattr(owner, "tensor_model_parallel", False) else replicated_grads).append(p.grad)
+        sharded, replicated = _square_sum(sharded_grads, self.device), _square_sum(replicated_grads, self.device)
         try:
             if parallel_state.get_tensor_model_parallel_world_size() > 1:
                 dist.all_reduce(sharded, group=parallel_state.get_tensor_model_parallel_group())
@@ -111,9 +109,9 @@ class MegatronTrainer(TorchTrainer):
             raise RankError(f"ranks: the gradient-norm all-reduce failed (a rank died or stalled): {e}") from e
         norm = total.sqrt()
         scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-        for p in params:
-            if p.grad is not None:
-                p.grad.mul_(scale.to(p.grad.dtype))
+        grads = sharded_grads + replicated_grads
+        for dtype in {g.dtype for g in grads}:  # a few fused kernels, not one per tensor
+            torch._foreach_mul_([g for g in grads if g.dtype == dtype], scale.to(dtype))
         return norm
 
     def train_step(self, samples: list[Sample], *, sft: bool = False, value: bool = False, lr: float | None = None):
@@ -196,3 +194,11 @@ class MegatronTrainer(TorchTrainer):
 
     def _load_weights(self, source: dict[str, torch.Tensor]) -> None:
         megatron_model.load_hf_state(self.model, source, self.model_config)
+
+
+def _square_sum(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """The sum of squares of all of `grads`, in float32, from one fused norm per dtype."""
+    if not grads:
+        return torch.zeros((), dtype=torch.float32, device=device)
+    norms = torch._foreach_norm(grads)  # [one 0-d tensor per gradient]
+    return torch.stack([n.float() for n in norms]).pow(2).sum()

@@ -76,6 +76,7 @@ def settings_from_proto(cfg: trainer_pb2.TrainerConfig) -> TrainerSettings:
         tensor_parallel=cfg.tensor_parallel or 1,
         pipeline_parallel=cfg.pipeline_parallel or 1,
         role=cfg.role or defaults.role,
+        compile=cfg.compile if cfg.HasField("compile") else defaults.compile,
     )
 
 

@@ -101,6 +101,7 @@ class TrainerSettings:
     tensor_parallel: int = 1    # megatron: ranks that split each layer
     pipeline_parallel: int = 1  # megatron: ranks that split the layers
     role: str = "actor"         # "critic": a value model (the policy's architecture with a scalar head)
+    compile: bool = True        # GPU: each decoder layer through torch.compile (fused norms, RoPE, SwiGLU)
 
     def __post_init__(self) -> None:
         if not self.model_path:

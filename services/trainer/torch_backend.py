@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -120,6 +121,7 @@ class TorchTrainer:
             self.settings.model_path, dtype=parse_dtype(self.settings.dtype), device=self.device
         )
         self.named = dict(named_weights(self.model))
+        compile_layers(self.model.model.layers, self.settings)
         return DataParallel(torch.distributed.group.WORLD if world()[1] > 1 else None, self.device)
 
     def _trainable(self) -> list[torch.Tensor]:
@@ -317,7 +319,7 @@ class TorchTrainer:
 
     def _forward(self, batch: PackedBatch) -> torch.Tensor:
         logits = self.model(batch.input_ids, attention_mask=batch.attention_mask)  # [B, T, V]
-        return logits[:, :-1].float()  # [B, T-1, V]
+        return logits[:, :-1]  # [B, T-1, V], in the model's dtype: the losses compute in float32
 
     @torch.no_grad()
     def compute_logprobs(self, tag: str, samples: list[Sample]) -> tuple[list[list[float]], float]:
@@ -391,9 +393,12 @@ class TorchTrainer:
         self._complete_gradients()
         self.dp.sum_gradients(self.params)
         sums = self.dp.combine_metrics(sums)
-        if self.master is not None:
-            for p, m in zip(self.params, self.master):
-                m.grad = None if p.grad is None else p.grad.float()
+        if self.master is not None:  # the gradients in float32, in a few fused copies
+            pairs = [(p.grad, m) for p, m in zip(self.params, self.master) if p.grad is not None]
+            for _, m in pairs:
+                m.grad = torch.empty_like(m)
+            if pairs:
+                torch._foreach_copy_([m.grad for _, m in pairs], [g for g, _ in pairs])
         clip = self.settings.optimizer.grad_clip
         grad_norm = self._clip_gradients(self.master if self.master is not None else self.params,
                                          clip if clip > 0 else float("inf"))
@@ -423,8 +428,7 @@ class TorchTrainer:
                 group["lr"] = value
         if self.master is not None:
             with torch.no_grad():
-                for p, m in zip(self.params, self.master):
-                    p.copy_(m)
+                torch._foreach_copy_(self.params, self.master)
         if self.device.type == "cuda":  # the step is done when its kernels are: its time, and any error, are this call's
             torch.cuda.synchronize(self.device)
         self.step += 1
@@ -470,3 +474,15 @@ class TorchTrainer:
             metrics["entropy"] = entropy.item()
         metrics["loss"] = loss.item()
         return loss, metrics
+
+
+def compile_layers(layers, settings) -> None:
+    """Each layer's forward through torch.compile, in place (names and parameters unchanged): its
+    elementwise work (norms, RoPE, SwiGLU, residuals) fused into a few kernels. One graph serves
+    every layer (parameters are its inputs); GPU only, where it pays for its compile time."""
+    if settings.compile and torch.device(settings.device).type == "cuda":
+        # Megatron's layers warn on every call (a deprecation, from its linears): a warning would
+        # split each layer into many small graphs, so it is moved out of the graph instead.
+        torch._dynamo.config.reorderable_logging_functions.add(warnings.warn)
+        for layer in layers:
+            layer.compile(dynamic=None)

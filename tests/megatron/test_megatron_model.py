@@ -227,3 +227,30 @@ def test_o_proj_bias_is_refused():
 def test_pipeline_parallel_is_refused_on_cpu():
     with pytest.raises(ValueError, match="pp: pipeline parallelism"):
         mm.init_parallel(1, 2)
+
+
+def test_the_quiet_group_lookup_finds_the_same_group_without_warning():
+    """Megatron-core's RowParallelLinear asks for its group with None on every call, which warns
+    (and, under torch.compile, split each layer into many graphs): the replacement answers the
+    same group, silently."""
+    import warnings
+
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import layers
+
+    store = dist.HashStore()
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        mm.init_parallel(1, 1)
+        with warnings.catch_warnings(record=True) as before:
+            warnings.simplefilter("always")
+            expected = layers.get_tensor_model_parallel_group_if_none(None)
+        mm.quiet_group_lookup()
+        with warnings.catch_warnings(record=True) as after:
+            warnings.simplefilter("always")
+            got = layers.get_tensor_model_parallel_group_if_none(None)
+        assert got is expected is parallel_state.get_tensor_model_parallel_group()
+        assert any("tp_group is None" in str(w.message) for w in before) and not after
+    finally:
+        mm.destroy_parallel()
+        dist.destroy_process_group()

@@ -62,6 +62,7 @@ def test_every_trainer_field_arrives_as_written(overrides):
             settings.colocate, settings.bucket_bytes) == \
         (t.device, t.dtype, job.seed, t.micro_batch_size, t.offload, t.colocate, job.weight_sync.bucket_bytes)
     assert set(settings.tags) == set(job.trainer_tags) and ("ref" in settings.tags) == (a.kl_coef > 0)
+    assert settings.compile == t.compile
 
 
 def test_zeros_are_kept_not_replaced_by_defaults():
@@ -73,3 +74,6 @@ def test_zeros_are_kept_not_replaced_by_defaults():
             settings.optimizer.grad_clip) == (0.0, 0.0, 0.0, 0.0)
     unset = settings_from_proto(type(trainer_config(job))(model_path="/m"))
     assert (unset.optimizer.lr, unset.optimizer.beta1) == (1e-5, 0.9)  # unset fields take the defaults
+    assert unset.compile  # GPU trainers compile their layers unless a job says compile: false
+    off = parse_job(yaml.safe_dump({**MINIMAL, "trainer": {"compile": False}}), "/jobs", check_files=False)
+    assert settings_from_proto(trainer_config(off)).compile is False
