@@ -65,7 +65,7 @@ class MegatronTrainer(TorchTrainer):
         self.model = megatron_model.build_model(self.model_config, dtype=dtype, device=self.device)
         megatron_model.load_hf_state(self.model, hf_model.state_dict(), self.model_config)
         del hf_model
-        if s.compile:
+        if s.compile and self.device.type == "cuda":  # where compile_layers compiles
             megatron_model.quiet_group_lookup()
         compile_layers(self.model.decoder.layers, s)
         self.named = dict(self.model.named_parameters())

@@ -234,7 +234,7 @@ def quiet_group_lookup() -> None:
             return get(check_initialized=check_initialized)
         return original(tp_group, is_expert=is_expert, check_initialized=check_initialized)
 
-    lookup.quiet = True
+    lookup.quiet, lookup.original = True, original
     layers.get_tensor_model_parallel_group_if_none = lookup
 
 

@@ -229,7 +229,7 @@ def test_pipeline_parallel_is_refused_on_cpu():
         mm.init_parallel(1, 2)
 
 
-def test_the_quiet_group_lookup_finds_the_same_group_without_warning():
+def test_the_quiet_group_lookup_finds_the_same_group_without_warning(monkeypatch):
     """Megatron-core's RowParallelLinear asks for its group with None on every call, which warns
     (and, under torch.compile, split each layer into many graphs): the replacement answers the
     same group, silently."""
@@ -238,6 +238,8 @@ def test_the_quiet_group_lookup_finds_the_same_group_without_warning():
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import layers
 
+    current = layers.get_tensor_model_parallel_group_if_none
+    monkeypatch.setattr(layers, "get_tensor_model_parallel_group_if_none", getattr(current, "original", current))
     store = dist.HashStore()
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     try:
