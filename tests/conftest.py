@@ -95,3 +95,17 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 def task_files(tmp_path_factory) -> tuple[Path, Path]:
     directory = tmp_path_factory.mktemp("task")
     return write_task(directory, 64, seed=1), write_task(directory, 16, seed=2)
+
+
+@pytest.fixture(scope="session")
+def smollm2_model(tmp_path_factory) -> Path:
+    """SmolLM2 converted once per test session by the example's own script (float32), for every
+    test that needs the real pretrained checkpoint (the conversion takes tens of seconds)."""
+    import subprocess
+    import sys
+
+    out = tmp_path_factory.mktemp("smollm2") / "model"
+    script = Path(__file__).resolve().parents[1] / "examples" / "smollm2" / "make_model.py"
+    subprocess.run([sys.executable, str(script), "--out", str(out), "--dtype", "float32"], check=True,
+                   capture_output=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    return out

@@ -30,8 +30,8 @@ TEXTS = ["What is the capital of France?", "12345 + 678 = 13023\n", "héllo wör
 
 
 @pytest.fixture(scope="module")
-def converted(tmp_path_factory):
-    return make_model.convert(tmp_path_factory.mktemp("smollm2"), dtype="float32")
+def converted(smollm2_model):
+    return smollm2_model  # examples/smollm2/make_model.py --dtype float32, once per session
 
 
 @pytest.fixture(scope="module")
