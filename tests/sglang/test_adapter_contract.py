@@ -148,3 +148,16 @@ def test_a_payload_is_built_only_from_the_handle_of_its_own_bucket():
         ipc.bucket_payload(weights_pb2.CudaIpcHandle(bucket=1, gpu_uuid="GPU-1", handle=b"h"), spec)
     with pytest.raises(ValueError, match="names no GPU"):
         ipc.bucket_payload(weights_pb2.CudaIpcHandle(bucket=0, handle=b"h"), spec)
+
+
+def test_every_child_key_reaches_sglang_as_its_api_key():
+    """The launch line is parsed by argparse (SGLang's, and the stand-in's): a key that looked like
+    an option would make the child exit at start, now and then."""
+    from services.rollout.sglang.process import SglangProcess, new_api_key
+    from tests.sglang.standin import parse_args
+
+    process = SglangProcess(model_path="/m", command=["sglang"], args=["--tp", "1"], memory_saver=False,
+                            startup_timeout_s=1, request_timeout_s=1)
+    for _ in range(1000):
+        key = new_api_key()
+        assert parse_args(process.argv(30000, key)[1:]).api_key == key

@@ -26,6 +26,13 @@ from services.weights.broadcast import free_port
 log = logging.getLogger("rlfleet.rollout")
 
 
+def new_api_key() -> str:
+    """A child's key. Hex, never url-safe base64: a key starting with "-" (1 in 64 of those) is
+    read by SGLang's argparse as an option, and the child exits with "--api-key: expected one
+    argument"."""
+    return secrets.token_hex(24)
+
+
 class SglangStartError(RuntimeError):
     """The SGLang child exited or did not become healthy in time (its log's tail is in the message)."""
 
@@ -49,7 +56,7 @@ class SglangProcess:
         return argv + list(self.args)
 
     def start(self) -> SglangClient:
-        port, api_key = free_port(), secrets.token_urlsafe(24)
+        port, api_key = free_port(), new_api_key()
         argv = self.argv(port, api_key)
         log.info("starting SGLang: %s (log %s)", " ".join(a if a != api_key else "***" for a in argv), self.log_path)
         with open(self.log_path, "ab") as out:
