@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
-import ipaddress
 import re
 import urllib.parse
 from dataclasses import dataclass, field
@@ -27,6 +26,7 @@ from typing import Any, Literal
 
 import yaml
 
+from services import rpc
 from services.coordinator.dataclass_io import (  # noqa: F401 (ConfigError and from_dict are part of this API)
     ConfigError,
     FieldError,
@@ -119,11 +119,7 @@ class SglangConfig:
     @property
     def local(self) -> bool:
         """Started by the rollout service, or attached over loopback (a sidecar in the pod)."""
-        host = (urllib.parse.urlsplit(self.url).hostname or "") if self.url else "127.0.0.1"
-        try:
-            return ipaddress.ip_address(host).is_loopback
-        except ValueError:
-            return host == "localhost"
+        return self.url is None or rpc.is_loopback(urllib.parse.urlsplit(self.url).hostname or "")
 
     @property
     def tp_size(self) -> int:

@@ -27,7 +27,6 @@ returns only rank 0's shard of most weights: exact verification is refused for t
 
 from __future__ import annotations
 
-import ipaddress
 import itertools
 import logging
 import os
@@ -39,6 +38,7 @@ from typing import Callable
 
 import torch
 
+from services import rpc
 from services.api import weights_pb2
 from services.models import load_tokenizer
 from services.models.checkpoint import checkpoint_step, load_config
@@ -100,7 +100,7 @@ class SglangEngine:
             self.process.watch(self._child_exited)
         self.tp_size = _tp_size(list(s.args))
         # The colocated plane hands SGLang a pickle: only ever to a server on this host, over loopback.
-        self.local = self.process is not None or _is_loopback(self.client.url)
+        self.local = self.process is not None or rpc.is_loopback(urllib.parse.urlsplit(self.client.url).hostname or "")
         if not settings.load_weights:  # the job verifies exactly: only a sync gives SGLang the weights
             try:
                 self._check_reads_back()
@@ -407,14 +407,6 @@ def _prompt_of(k: int, num_prompts: int, n: int) -> int:
     """Which prompt SGLang's k-th batched answer belongs to: SGLang answers prompt-major (the n
     samples of prompt 0, then of prompt 1, ...; read from 0.5.23's tokenizer manager)."""
     return k // n
-
-
-def _is_loopback(url: str) -> bool:
-    host = urllib.parse.urlsplit(url).hostname or ""
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return host == "localhost"
 
 
 def _tp_size(args: list[str]) -> int:
