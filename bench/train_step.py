@@ -109,8 +109,9 @@ def measure(backend: str, model_dir: Path, samples: list[Sample], args) -> dict:
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
                 trainer.train_step(samples)
                 torch.cuda.synchronize()
-            print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60),
-                  file=sys.stderr, flush=True)
+            table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=args.profile_rows,
+                                              max_name_column_width=90)
+            print(table, file=sys.stderr, flush=True)
     finally:
         trainer.close()
         del trainer
@@ -152,6 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--profile", action="store_true", help="print a kernel profile of one more step")
+    parser.add_argument("--profile-rows", type=int, default=40, help="kernels listed by --profile")
     parser.add_argument("--eager", action="store_true", help="no torch.compile of the decoder layers (the default compiles)")
     parser.add_argument("--json", action="store_true", help="(the lines are JSON either way)")
     parser.add_argument("--out", type=Path)

@@ -49,10 +49,14 @@ class MegatronTrainer(TorchTrainer):
         self._own_group = False
         self.export: HostStore | None = None  # rank 0: the Hugging Face weights every sync reads
         self._exported = -1  # the weights version last gathered (every rank knows it: no rank skips a gather)
-        super().__init__(settings)
-        self._split = self.settings.tensor_parallel * self.settings.pipeline_parallel > 1
-        if self._split:
-            self._export()
+        try:
+            super().__init__(settings)
+            self._split = self.settings.tensor_parallel * self.settings.pipeline_parallel > 1
+            if self._split:
+                self._export()
+        except BaseException:  # a trainer that failed to start leaves no process groups behind
+            self._drop_groups()
+            raise
 
     def _build_model(self) -> DataParallel:
         s = self.settings
@@ -78,9 +82,13 @@ class MegatronTrainer(TorchTrainer):
         super().close()
         if self.export is not None:
             self.export.close()
+        self._drop_groups()
+
+    def _drop_groups(self) -> None:
         megatron_model.destroy_parallel()
         if self._own_group:
             dist.destroy_process_group()
+            self._own_group = False
 
     # ---- compute -----------------------------------------------------------------------------
     def _forward(self, batch: PackedBatch) -> torch.Tensor:

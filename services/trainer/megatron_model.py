@@ -34,6 +34,7 @@ from megatron.core.transformer.transformer_block import (
 )
 
 from services.models.config import ModelConfig
+from services.trainer.swiglu import FusedSwiGLU
 
 _SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -199,6 +200,9 @@ def transformer_config(
         layernorm_epsilon=config.rms_norm_eps,
         gated_linear_unit=True,
         activation_func=F.silu,
+        # Megatron's hook for an activation module of one's own (named after Transformer Engine's,
+        # which is not installed): the MLP then calls `FusedSwiGLU` on its fused fc1 output.
+        use_te_activation_func=True,
         add_bias_linear=False,
         add_qkv_bias=bool(config.attention_bias),
         qk_layernorm=bool(config.qk_norm),
@@ -254,6 +258,7 @@ def build_model(config: ModelConfig, *, dtype: torch.dtype, device: torch.device
     tcfg = transformer_config(config, dtype=dtype, device=device, tp=tp, pp=pp)
     layer_spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=bool(config.qk_norm))
     layer_spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
+    _mlp_submodules(layer_spec).activation_func = FusedSwiGLU  # read with use_te_activation_func
     # An explicit block spec keeps the final norm a torch RMSNorm even where apex is installed
     # (Megatron would otherwise pick apex's FusedLayerNorm for it).
     block_spec = TransformerBlockSubmodules(
@@ -280,6 +285,13 @@ def build_model(config: ModelConfig, *, dtype: torch.dtype, device: torch.device
     # the CPU in float32; Megatron-LM moves and casts the whole model afterwards (Float16Module)
     # too. RoPE's inv_freq is a plain attribute, so it stays float32.
     return model.to(device=device, dtype=dtype)
+
+
+def _mlp_submodules(layer_spec):
+    """The MLP's `MLPSubmodules` in a layer spec: a ModuleSpec's field in megatron-core 0.16, a
+    keyword of the `functools.partial` that builds the MLP in 0.19."""
+    mlp = layer_spec.submodules.mlp
+    return mlp.submodules if hasattr(mlp, "submodules") else mlp.keywords["submodules"]
 
 
 def _batch_major_logits(model: GPTModel) -> None:
