@@ -69,7 +69,7 @@ def save_optimizer(trainer, file: Path) -> dict | None:
         if isinstance(value, torch.Tensor)
     }
     save_file(tensors, str(file), metadata={"format": FORMAT})
-    return {"param_groups": opt_state["param_groups"], "scheduler_last_epoch": trainer.scheduler.last_epoch}
+    return {"param_groups": opt_state["param_groups"], "scheduler_last_epoch": trainer.schedule_position}
 
 
 def finish(trainer, directory: Path, optimizer: dict | None, **extra) -> None:
@@ -111,7 +111,7 @@ def load_optimizer(trainer, path: str, file_name: str = OPTIMIZER_FILE) -> None:
     for index, entry in entries.items():
         if index not in params:
             raise CheckpointError(f"optimizer state: {file} has state for parameter {index}, the model has {len(params)}")
-        expected = trainer.master[index] if trainer.master is not None else trainer.params[index]
+        expected = trainer.optimizer_params()[index]
         for name in ("exp_avg", "exp_avg_sq"):
             if name in entry and entry[name].shape != expected.shape:
                 raise CheckpointError(
@@ -120,4 +120,4 @@ def load_optimizer(trainer, path: str, file_name: str = OPTIMIZER_FILE) -> None:
                 )
     trainer.optimizer.load_state_dict({"state": entries, "param_groups": state.get("param_groups", template["param_groups"])})
     if "scheduler_last_epoch" in state:
-        trainer.scheduler.last_epoch = state["scheduler_last_epoch"]
+        trainer.schedule_position = state["scheduler_last_epoch"]

@@ -13,11 +13,14 @@ shared losses (`services/trainer/losses.py`), the optimizer and the schedule. Wh
   gather is a collective, so every rank takes part at the end of each step; when rank 0 holds
   the whole model it gathers alone, only when a sync or a sleep needs it (a step then pays
   nothing for a copy no one reads: about 0.15 s a step for 1.5B parameters on an H200);
-- checkpoints are Hugging Face folders written by rank 0, plus one optimizer file per rank.
+- checkpoints are Hugging Face folders written by rank 0, plus one optimizer file per rank;
+- on GPUs, training runs on Megatron's own DDP, distributed optimizer and `OptimizerParamScheduler`
+  (`megatron_optimizer`): parameters live in DDP's contiguous buffer, gradients in its float32
+  buffer, float32 main weights and Adam's moments in the optimizer; sleep frees all of them.
 
-On CPU (gloo, megatron-core 0.16) the optimizer is torch's AdamW: Megatron's distributed
-optimizer and DDP allocate CUDA buffers. Pipeline parallelism needs CUDA (see
-`megatron_model.init_parallel`).
+On CPU (gloo, megatron-core 0.16) the optimizer is the torch backend's AdamW and schedule:
+Megatron's distributed optimizer and DDP allocate CUDA buffers. Pipeline parallelism needs CUDA
+(see `megatron_model.init_parallel`).
 """
 
 from __future__ import annotations
@@ -31,10 +34,11 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from services.models import DecoderLM, load_hf_dir
-from services.trainer import checkpoint, megatron_model
+from services.trainer import checkpoint, megatron_model, megatron_optimizer
 from services.trainer.backend import SyncWeights
 from services.trainer.batch import PackedBatch, Sample
 from services.trainer.host_store import ACTOR, HostStore
+from services.trainer.megatron_optimizer import MegatronOptimizer
 from services.trainer.ranks import DataParallel, RankError, world
 from services.trainer.torch_backend import TorchTrainer, compile_layers
 from services.weights.buckets import parse_dtype
@@ -47,6 +51,8 @@ class MegatronTrainer(TorchTrainer):
         if "old_actor" in settings.tags:
             raise ValueError("tags: old_actor is not supported by the megatron backend yet")
         self._own_group = False
+        self.ddp = None  # Megatron's DDP (GPUs, training): the parameters live in its buffer
+        self._megatron_optimizer: MegatronOptimizer | None = None
         self.export: HostStore | None = None  # rank 0: the Hugging Face weights every sync reads
         self._exported = -1  # the weights version last gathered (every rank knows it: no rank skips a gather)
         try:
@@ -61,7 +67,10 @@ class MegatronTrainer(TorchTrainer):
     def _build_model(self) -> DataParallel:
         s = self.settings
         if not dist.is_initialized():  # one rank: Megatron still wants a default group
-            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+            # NCCL on a GPU: the distributed optimizer's parameter gather runs CUDA tensors
+            # through it (gloo crashes the process there: no coalesced CUDA all-gather)
+            backend = "nccl" if self.device.type == "cuda" else "gloo"
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
             self._own_group = True
         megatron_model.init_parallel(s.tensor_parallel, s.pipeline_parallel, seed=s.seed)
         dtype = parse_dtype(s.dtype)
@@ -72,6 +81,8 @@ class MegatronTrainer(TorchTrainer):
         if s.compile and self.device.type == "cuda":  # where compile_layers compiles
             megatron_model.quiet_group_lookup()
         compile_layers(self.model.decoder.layers, s)
+        if self.device.type == "cuda" and not s.eval_only:
+            self.ddp = megatron_optimizer.wrap(self.model)
         self.named = dict(self.model.named_parameters())
         dp_size = parallel_state.get_data_parallel_world_size()
         log.info("megatron: rank %d of %d, tensor parallel %d, pipeline parallel %d, data parallel %d",
@@ -89,6 +100,56 @@ class MegatronTrainer(TorchTrainer):
         if self._own_group:
             dist.destroy_process_group()
             self._own_group = False
+
+    # ---- optimizer (Megatron's on GPUs, the torch backend's on CPU) ----------------------------
+    def _lay_out_weights(self) -> list[torch.Tensor] | None:
+        return None if self.ddp is not None else super()._lay_out_weights()
+
+    def _build_optimizer(self) -> None:
+        if self.ddp is None:
+            return super()._build_optimizer()
+        self._megatron_optimizer = MegatronOptimizer(self.ddp, self.settings, parse_dtype(self.settings.dtype))
+        self.optimizer = self._megatron_optimizer.torch_optimizer
+        self.scheduler = self._megatron_optimizer.scheduler
+        storages = {p.untyped_storage().data_ptr() for p in self.params}
+        assert len(storages) == 1, "DDP keeps every parameter in one buffer (sleep frees it whole)"
+
+    def _scratch_buffers(self) -> list[torch.Tensor]:
+        return self._megatron_optimizer.gradient_buffers() if self._megatron_optimizer else []
+
+    def _state_tensors(self) -> list[torch.Tensor]:
+        mains = self._megatron_optimizer.main_weights() if self._megatron_optimizer else []
+        return mains + super()._state_tensors()
+
+    @property
+    def schedule_position(self) -> int:
+        if self._megatron_optimizer is None:
+            return self.scheduler.last_epoch
+        return self._megatron_optimizer.schedule_position
+
+    @schedule_position.setter
+    def schedule_position(self, steps: int) -> None:
+        if self._megatron_optimizer is None:
+            self.scheduler.last_epoch = steps
+        else:
+            self._megatron_optimizer.schedule_position = steps
+
+    def _finish_gradients(self) -> float:
+        if self._megatron_optimizer is None:
+            return super()._finish_gradients()
+        return self._megatron_optimizer.finish_gradients()
+
+    def _discard_gradients(self) -> None:
+        if self._megatron_optimizer is None:
+            return super()._discard_gradients()
+        self._megatron_optimizer.zero_grad()
+        for p in self.params:
+            p.grad = None
+
+    def _apply_gradients(self, lr: float | None) -> float:
+        if self._megatron_optimizer is None:
+            return super()._apply_gradients(lr)
+        return self._megatron_optimizer.step(lr)
 
     # ---- compute -----------------------------------------------------------------------------
     def _forward(self, batch: PackedBatch) -> torch.Tensor:
@@ -189,6 +250,8 @@ class MegatronTrainer(TorchTrainer):
     def load_checkpoint(self, path: str, *, load_optimizer: bool) -> None:
         """Every rank loads its shards from the Hugging Face folder (and its optimizer shard)."""
         super().load_checkpoint(path, load_optimizer=load_optimizer)
+        if self._megatron_optimizer is not None:
+            self._megatron_optimizer.reload_main_weights()
         self._exported = -1  # same version number, other weights: gather again
         if self._split:
             self._export()

@@ -203,6 +203,9 @@ def transformer_config(
         # Megatron's hook for an activation module of one's own (named after Transformer Engine's,
         # which is not installed): the MLP then calls `FusedSwiGLU` on its fused fc1 output.
         use_te_activation_func=True,
+        # The shared losses divide by the whole batch's token count: data-parallel gradients add
+        # up. (Megatron's DDP would otherwise average them, dividing by the ranks a second time.)
+        calculate_per_token_loss=True,
         add_bias_linear=False,
         add_qkv_bias=bool(config.attention_bias),
         qk_layernorm=bool(config.qk_norm),

@@ -14,8 +14,9 @@ from services.models import memory
 
 
 class Offloader:
-    def __init__(self, params: list[torch.Tensor], pinned: bool):
+    def __init__(self, params: list[torch.Tensor], pinned: bool, scratch: list[torch.Tensor] = ()):
         self.params = params
+        self.scratch = list(scratch)  # each its own storage, views into it stay valid
         self.pinned = pinned
         self._params_shared = False
         self._host: dict[int, torch.Tensor] = {}  # id(storage owner) -> host copy of its storage
@@ -35,7 +36,7 @@ class Offloader:
             memory.share_one_storage(state)
             self._state_ids = {id(t) for t in state}
             self._state_owners = memory.unique_storages(state)
-        return [*memory.unique_storages(self.params), *self._state_owners]
+        return [*memory.unique_storages(self.params), *self._state_owners, *memory.unique_storages(self.scratch)]
 
     @staticmethod
     def _offloadable(state_tensors: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -43,7 +44,8 @@ class Offloader:
         return [t for t in state_tensors if t.dim() > 0]
 
     def device_bytes(self, state_tensors: list[torch.Tensor]) -> int:
-        tensors = [*self.params, *(p.grad for p in self.params if p.grad is not None), *self._offloadable(state_tensors)]
+        tensors = [*self.params, *(p.grad for p in self.params if p.grad is not None), *self._offloadable(state_tensors),
+                   *self.scratch]
         return sum(memory.storage_bytes(t) for t in memory.unique_storages(tensors))
 
     @property
@@ -56,13 +58,13 @@ class Offloader:
         Copies already queued on the current stream (the host store's capture of the weights)
         finish before anything is freed: one synchronisation covers them all."""
         owners = self._owners(state_tensors)
-        params = set(id(t) for t in memory.unique_storages(self.params))
+        params = set(id(t) for t in memory.unique_storages([*self.params, *self.scratch]))
         with torch.no_grad():
             for t in owners:
                 key = id(t)
                 self._sizes[key] = memory.storage_bytes(t)
                 if key in params:
-                    continue  # parameter values live in the host store; no second copy
+                    continue  # parameter values live in the host store, scratch is rewritten: no copy
                 if key not in self._host or self._host[key].numel() != self._sizes[key]:
                     self._host[key] = torch.empty(self._sizes[key], dtype=torch.uint8, pin_memory=self.pinned)
                 self._host[key].copy_(memory.as_bytes(t), non_blocking=self.pinned)
@@ -81,7 +83,7 @@ class Offloader:
             for t in owners:
                 if id(t) in self._host:
                     memory.as_bytes(t).copy_(self._host[id(t)], non_blocking=self.pinned)
-                else:  # the parameters' storage, laid out as sync buckets
+                else:  # the parameters' storage, laid out as sync buckets (or scratch)
                     # Buckets are fingerprinted and sent whole, alignment gaps included, and an
                     # engine compares them with copies whose gaps are zero; reallocated memory is
                     # whatever the allocator hands back (on the H200, a staging slot's bytes).

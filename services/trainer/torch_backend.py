@@ -75,29 +75,12 @@ class TorchTrainer:
         self.params = self._trainable()
         # Weights live in the sync bucket layout: a bucket of live weights is a view, never packed.
         self.layout = plan_buckets(list(self.named.items()), settings.bucket_bytes)
-        self.bucket_views = memory.lay_out(
-            self.named, [[(t.name, t.offset) for t in b.tensors] for b in self.layout], [b.nbytes for b in self.layout]
-        )
+        self.bucket_views = self._lay_out_weights()
         self.master: list[torch.Tensor] | None = None
-        if settings.master_weights == "fp32":
-            if settings.dtype == "float32":
-                raise ValueError("master_weights: fp32 master weights need dtype bfloat16 or float16")
-            self.master = [p.detach().float().clone().requires_grad_(True) for p in self.params]
         self.optimizer: torch.optim.Optimizer | None = None
-        self.scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
+        self.scheduler = None
         if not settings.eval_only:
-            opt = settings.optimizer
-            self.optimizer = torch.optim.AdamW(
-                self.master if self.master is not None else self.params,
-                lr=opt.lr,
-                betas=(opt.beta1, opt.beta2),
-                eps=opt.eps,
-                weight_decay=opt.weight_decay,
-                # one kernel per step instead of a dozen per tensor group: 30 ms -> a few ms for
-                # 1.5B fp32 master weights on an H200 (the same update, computed in one pass)
-                fused=self.device.type == "cuda",
-            )
-            self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(settings.scheduler))
+            self._build_optimizer()
         self.step = 0
         self.weights_version = 0
         self.checkpoint_step = checkpoint_step(settings.model_path)
@@ -111,7 +94,7 @@ class TorchTrainer:
             self.store = HostStore(list(self.named.items()), settings.bucket_bytes, share=self._shared_tags())
             for tag in dict.fromkeys(settings.tags):
                 self.store.capture(tag, self.named, version=0)
-        self.offloader = Offloader(self.params, pinned=torch.cuda.is_available())
+        self.offloader = Offloader(self.params, pinned=torch.cuda.is_available(), scratch=self._scratch_buffers())
 
     def _build_model(self) -> DataParallel:
         """Load the policy (`model_config`, `model`, `named`: the parameters by name) and return
@@ -123,6 +106,50 @@ class TorchTrainer:
         self.named = dict(named_weights(self.model))
         compile_layers(self.model.model.layers, self.settings)
         return DataParallel(torch.distributed.group.WORLD if world()[1] > 1 else None, self.device)
+
+    def _lay_out_weights(self) -> list[torch.Tensor] | None:
+        """Move the weights into the sync bucket layout; the buckets as views (None: the backend
+        lays its weights out itself, and never syncs from them live)."""
+        return memory.lay_out(
+            self.named, [[(t.name, t.offset) for t in b.tensors] for b in self.layout], [b.nbytes for b in self.layout]
+        )
+
+    def _build_optimizer(self) -> None:
+        """AdamW (over fp32 master weights when asked) and the LR schedule; never in eval-only."""
+        settings = self.settings
+        if settings.master_weights == "fp32":
+            if settings.dtype == "float32":
+                raise ValueError("master_weights: fp32 master weights need dtype bfloat16 or float16")
+            self.master = [p.detach().float().clone().requires_grad_(True) for p in self.params]
+        opt = settings.optimizer
+        self.optimizer = torch.optim.AdamW(
+            self.master if self.master is not None else self.params,
+            lr=opt.lr,
+            betas=(opt.beta1, opt.beta2),
+            eps=opt.eps,
+            weight_decay=opt.weight_decay,
+            # one kernel per step instead of a dozen per tensor group: 30 ms -> a few ms for
+            # 1.5B fp32 master weights on an H200 (the same update, computed in one pass)
+            fused=self.device.type == "cuda",
+        )
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(settings.scheduler))
+
+    @property
+    def schedule_position(self) -> int:
+        """How many scheduled steps the LR schedule has taken (saved with the optimizer state)."""
+        return self.scheduler.last_epoch
+
+    @schedule_position.setter
+    def schedule_position(self, steps: int) -> None:
+        self.scheduler.last_epoch = steps
+
+    def optimizer_params(self) -> list[torch.Tensor]:
+        """The tensors the optimizer steps, in the order of its state indices."""
+        return [p for group in self.optimizer.param_groups for p in group["params"]]
+
+    def _scratch_buffers(self) -> list[torch.Tensor]:
+        """Device buffers sleep frees without keeping their values (rewritten every step)."""
+        return []
 
     def _trainable(self) -> list[torch.Tensor]:
         """The parameters the optimizer steps, offload moves and gradients reach."""
@@ -182,7 +209,7 @@ class TorchTrainer:
         if store.version(ACTOR) == self.weights_version:
             return
         side = None
-        if self.device.type == "cuda":  # forked before the copies are queued, so it runs beside them
+        if self.device.type == "cuda" and self.bucket_views is not None:  # forked before the copies are queued, so it runs beside them
             if self._hash_stream is None:  # one for good: the allocator reuses scratch per stream
                 self._hash_stream = torch.cuda.Stream(self.device)
             side = self._hash_stream
@@ -367,9 +394,7 @@ class TorchTrainer:
         self.use(ACTOR)
         woke_s = time.perf_counter() - started
         self.model.train()
-        self.optimizer.zero_grad(set_to_none=True)
-        for p in self.params:
-            p.grad = None
+        self._discard_gradients()
         per_token = loss_cfg.loss_agg == "token_mean"
         self._check(samples)
         total = sum(len(s.response_ids) for s in samples) if per_token else len(samples)
@@ -390,9 +415,31 @@ class TorchTrainer:
                     sums[key] = max(sums.get(key, value), value)
                 else:
                     sums[key] = sums.get(key, 0.0) + value * weight
+        sums = self.dp.combine_metrics(sums)
+        sums["grad_norm"] = self._finish_gradients()
+        if was_asleep:
+            sums["wake_s"] = woke_s
+        if not math.isfinite(sums["grad_norm"]):
+            # A non-finite gradient would make every weight NaN: skip the step, keep the weights.
+            self._discard_gradients()
+            sums["step_skipped"] = 1.0
+            sums["train_step_s"] = time.perf_counter() - started
+            log.warning("step skipped: the gradient norm is %s; weights stay at version %d", sums["grad_norm"],
+                        self.weights_version)
+            return StepResult(sums, self.weights_version, self.step)
+        sums["lr"] = self._apply_gradients(lr)
+        if self.device.type == "cuda":  # the step is done when its kernels are: its time, and any error, are this call's
+            torch.cuda.synchronize(self.device)
+        self.step += 1
+        self.weights_version += 1
+        self._device_holds = (ACTOR, self.weights_version)
+        sums["train_step_s"] = time.perf_counter() - started
+        return StepResult(sums, self.weights_version, self.step)
+
+    def _finish_gradients(self) -> float:
+        """Complete, reduce and clip this step's gradients; their norm before clipping."""
         self._complete_gradients()
         self.dp.sum_gradients(self.params)
-        sums = self.dp.combine_metrics(sums)
         if self.master is not None:  # the gradients in float32, in a few fused copies
             pairs = [(p.grad, m) for p, m in zip(self.params, self.master) if p.grad is not None]
             for _, m in pairs:
@@ -400,26 +447,21 @@ class TorchTrainer:
             if pairs:
                 torch._foreach_copy_([m.grad for _, m in pairs], [g for g, _ in pairs])
         clip = self.settings.optimizer.grad_clip
-        grad_norm = self._clip_gradients(self.master if self.master is not None else self.params,
-                                         clip if clip > 0 else float("inf"))
-        sums["grad_norm"] = float(grad_norm)
-        if was_asleep:
-            sums["wake_s"] = woke_s
-        if not math.isfinite(sums["grad_norm"]):
-            # A non-finite gradient would make every weight NaN: skip the step, keep the weights.
-            self.optimizer.zero_grad(set_to_none=True)
-            for p in self.params:
-                p.grad = None
-            sums["step_skipped"] = 1.0
-            sums["train_step_s"] = time.perf_counter() - started
-            log.warning("step skipped: the gradient norm is %s; weights stay at version %d", sums["grad_norm"],
-                        self.weights_version)
-            return StepResult(sums, self.weights_version, self.step)
+        return float(self._clip_gradients(self.optimizer_params(), clip if clip > 0 else float("inf")))
+
+    def _discard_gradients(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+        for p in self.params:
+            p.grad = None
+
+    def _apply_gradients(self, lr: float | None) -> float:
+        """Step the optimizer (at `lr` for this step only, when given: the schedule then does not
+        advance) and the schedule; the learning rate the step used."""
         scheduled = [group["lr"] for group in self.optimizer.param_groups]
         if lr is not None:
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
-        sums["lr"] = self.optimizer.param_groups[0]["lr"]
+        used = self.optimizer.param_groups[0]["lr"]
         self.optimizer.step()
         if lr is None:
             self.scheduler.step()
@@ -429,13 +471,7 @@ class TorchTrainer:
         if self.master is not None:
             with torch.no_grad():
                 torch._foreach_copy_(self.params, self.master)
-        if self.device.type == "cuda":  # the step is done when its kernels are: its time, and any error, are this call's
-            torch.cuda.synchronize(self.device)
-        self.step += 1
-        self.weights_version += 1
-        self._device_holds = (ACTOR, self.weights_version)
-        sums["train_step_s"] = time.perf_counter() - started
-        return StepResult(sums, self.weights_version, self.step)
+        return used
 
     def _complete_gradients(self) -> None:
         """Backends whose ranks hold partial gradients of a shared tensor complete them here."""
