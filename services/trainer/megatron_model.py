@@ -15,6 +15,7 @@ with zero rows that `forward_logits` and `gather_hf_state` cut off again.
 from __future__ import annotations
 
 import enum
+import json
 import re
 from collections.abc import Sequence
 
@@ -532,7 +533,7 @@ def gather_hf_state(model: GPTModel, config: ModelConfig) -> dict[str, torch.Ten
     """The full HF-named state dict on global rank 0 (None elsewhere); a collective on every rank.
 
     TP shards are all-gathered inside each pipeline stage; with pp > 1 each stage's TP rank 0
-    of the first data-parallel replica then sends its part to global rank 0 as an object. The
+    of the first data-parallel replica then sends its part to global rank 0 (tensors only). The
     result is bit-for-bit what `load_hf_state` was given (tensors on the parameters' device).
     """
     tp_group = parallel_state.get_tensor_model_parallel_group()
@@ -553,20 +554,49 @@ def gather_hf_state(model: GPTModel, config: ModelConfig) -> dict[str, torch.Ten
 
 
 def _gather_stages(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
-    """Merge each pipeline stage's part on global rank 0 (the first stage's TP rank 0)."""
+    """Merge each pipeline stage's part on global rank 0 (the first stage's TP rank 0).
+
+    Tensors only travel (`send_state` / `recv_state`): no pickled objects between ranks."""
     senders = parallel_state.get_tensor_model_parallel_rank() == 0 and (
         parallel_state.get_data_parallel_rank() == 0
     )
     if not senders:
         return None
     pp_group = parallel_state.get_pipeline_model_parallel_group()
-    cpu_state = {n: t.cpu() for n, t in state.items()}
-    parts = [None] * dist.get_world_size(pp_group) if dist.get_rank() == 0 else None
-    dist.gather_object(cpu_state, parts, dst=0, group=pp_group)
     if dist.get_rank() != 0:
+        send_state(state, dst=0, group=pp_group)
         return None
-    merged: dict[str, torch.Tensor] = {}
-    for part in parts:
-        merged.update({n: t for n, t in part.items() if n not in merged})
+    merged = dict(state)
     device = next(iter(state.values())).device
-    return {n: t.to(device) for n, t in merged.items()}
+    for src in dist.get_process_group_ranks(pp_group):
+        if src != 0:
+            merged.update({n: t for n, t in recv_state(src, group=pp_group, device=device).items() if n not in merged})
+    return merged
+
+
+def send_state(state: dict[str, torch.Tensor], *, dst: int, group: dist.ProcessGroup | None = None) -> None:
+    """Send named tensors to global rank `dst`: a JSON header (names, dtypes, shapes) as bytes in
+    a uint8 tensor, its length first, then each tensor. The receiver calls `recv_state`."""
+    device = next(iter(state.values())).device
+    header = json.dumps([[n, str(t.dtype).removeprefix("torch."), list(t.shape)] for n, t in state.items()])
+    raw = torch.frombuffer(bytearray(header.encode()), dtype=torch.uint8).to(device)
+    dist.send(torch.tensor([raw.numel()], dtype=torch.int64, device=device), dst=dst, group=group)
+    dist.send(raw, dst=dst, group=group)
+    for tensor in state.values():
+        dist.send(tensor.contiguous(), dst=dst, group=group)
+
+
+def recv_state(src: int, *, group: dist.ProcessGroup | None = None, device: torch.device) -> dict[str, torch.Tensor]:
+    """Receive what `send_state` sent from global rank `src`, onto `device`."""
+    length = torch.zeros(1, dtype=torch.int64, device=device)
+    dist.recv(length, src=src, group=group)
+    raw = torch.empty(int(length), dtype=torch.uint8, device=device)
+    dist.recv(raw, src=src, group=group)
+    state = {}
+    for name, dtype, shape in json.loads(raw.cpu().numpy().tobytes().decode()):
+        if not isinstance(getattr(torch, dtype, None), torch.dtype):
+            raise ValueError(f"recv_state: rank {src} sent {name!r} with an unknown dtype {dtype!r}")
+        tensor = torch.empty(shape, dtype=getattr(torch, dtype), device=device)
+        dist.recv(tensor, src=src, group=group)
+        state[name] = tensor
+    return state
