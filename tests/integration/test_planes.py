@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import textwrap
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import pytest
 
@@ -107,8 +109,8 @@ def test_two_nccl_engines_on_one_gpu_are_refused_before_anything_moves():
     assert syncer(gpu0, gpu0, gpu1).planes == ["cuda_ipc", "cuda_ipc", "broadcast"]  # IPC engines may share
 
 
-@pytest.fixture
-def mid_model(tmp_path):
+@pytest.fixture(scope="module")
+def mid_model(tmp_path_factory):
     """About 60 MB of weights: bigger than socket buffers, so a stopped receiver really stalls."""
     import torch
 
@@ -123,45 +125,113 @@ def mid_model(tmp_path):
     torch.manual_seed(0)
     model = DecoderLM(config)
     init_weights(model, seed=0)
-    save_hf_dir(model, config, tmp_path / "mid")
-    tokenizer.save(tmp_path / "mid")
-    return tmp_path / "mid"
+    directory = tmp_path_factory.mktemp("mid-model")
+    save_hf_dir(model, config, directory)
+    tokenizer.save(directory)
+    return directory
 
 
-def _configure(trainer: TrainerClient, engines: list[RolloutClient], model) -> None:
+def _configure_trainer(trainer: TrainerClient, model) -> None:
     trainer.configure(trainer_pb2.TrainerConfig(model_path=str(model), bucket_bytes=8 << 20,
                                                 optimizer=trainer_pb2.OptimizerConfig(lr=1e-3)))
-    for engine in engines:
-        engine.configure(rollout_pb2.RolloutConfig(model_path=str(model), load_weights=True))
+
+
+def _configure_engine(engine: RolloutClient, model) -> None:
+    engine.configure(rollout_pb2.RolloutConfig(model_path=str(model), load_weights=True))
+
+
+@dataclass
+class _Faults:
+    """A configured trainer and two engines (the mid-sized model), each its own process; engine 1
+    is the one a test may kill or stall."""
+
+    trainer: TrainerClient
+    engines: list[RolloutClient]
+    trainer_process: subprocess.Popen
+    victim: subprocess.Popen
+
+
+@dataclass
+class _SharedPeers:
+    """The trainer, and an engine 0 per plane, started and configured once for the module's fault
+    tests. No test leaves them stopped (a stalled trainer is continued) and each test ends with a
+    sync that reaches engine 0 again, as its own assertions check. Engine 0 keeps to one plane,
+    as it did when every test started its own: switching planes is not what these tests test."""
+
+    local: LocalFleet
+    trainer: TrainerClient
+    engines: dict[str, RolloutClient]  # plane -> its engine 0
+
+    @property
+    def trainer_process(self) -> subprocess.Popen:
+        return self.local.children[0].process
+
+
+@pytest.fixture(scope="module")
+def shared_peers(tmp_path_factory, mid_model):
+    local = LocalFleet(tmp_path_factory.mktemp("faults-logs"), env={"OMP_NUM_THREADS": "1"})
+    try:
+        trainer = local.start("trainer", "trainer-0", [])
+        engines = {plane: local.start("rollout", f"rollout-0-{plane}", [])
+                   for plane in ("broadcast", "shm", "grpc_stream")}
+        local.wait_ready()
+        peers = _SharedPeers(local, TrainerClient(trainer.address),
+                             {plane: RolloutClient(child.address) for plane, child in engines.items()})
+        with ThreadPoolExecutor(4) as pool:  # the four load the model side by side
+            done = [pool.submit(_configure_trainer, peers.trainer, mid_model)]
+            done += [pool.submit(_configure_engine, engine, mid_model) for engine in peers.engines.values()]
+            for future in done:
+                future.result()
+        yield peers
+    finally:
+        stop_fleet(local)
+
+
+def _client_of(configured, client_type):
+    """A new client of a configured peer: what a test patches on it dies with the test."""
+    client = client_type(configured.address)
+    client.capabilities = configured.capabilities
+    return client
 
 
 @pytest.fixture
-def trainer_and_two_engines(tmp_path, mid_model):
-    """A configured trainer and two engines (the mid-sized model), each its own process."""
+def faults(tmp_path, mid_model, shared_peers):
+    """`faults(plane)`: the shared trainer and that plane's engine 0, through clients of this test's
+    own, and a fresh engine 1 for this test alone."""
     local = LocalFleet(tmp_path / "logs", env={"OMP_NUM_THREADS": "1"})
-    try:
-        local.start("trainer", "trainer-0", [])
-        for i in range(2):
-            local.start("rollout", f"rollout-{i}", [])
+    clients: list = []
+
+    def make(plane: str) -> _Faults:
+        assert all(c.process.poll() is None for c in shared_peers.local.children), \
+            "an earlier test left a shared process dead"
+        trainer = _client_of(shared_peers.trainer, TrainerClient)
+        survivor = _client_of(shared_peers.engines[plane], RolloutClient)
+        clients.extend([trainer, survivor])
+        victim = local.start("rollout", "rollout-1", [])
         local.wait_ready()
-        trainer = TrainerClient(local.children[0].address)
-        engines = [RolloutClient(c.address) for c in local.children[1:]]
-        _configure(trainer, engines, mid_model)
-        yield local, trainer, engines
+        clients.append(RolloutClient(victim.address))
+        _configure_engine(clients[-1], mid_model)
+        return _Faults(trainer, clients[-2:], shared_peers.trainer_process, victim.process)
+
+    try:
+        yield make
     finally:
-        stop_fleet(local)  # a test may have stopped one
+        stop_fleet(local)  # a test may have stopped engine 1
+        for client in clients:
+            client.close()
 
 
 @pytest.mark.parametrize("failure", ["killed", "stalled"])
-def test_a_failing_engine_mid_broadcast_leaves_trainer_and_others_usable(trainer_and_two_engines, failure):
-    local, trainer, engines = trainer_and_two_engines
+def test_a_failing_engine_mid_broadcast_leaves_trainer_and_others_usable(faults, failure):
+    fleet = faults("broadcast")
+    trainer, engines = fleet.trainer, fleet.engines
     pool = ThreadPoolExecutor(8)
     syncer = make_syncer(trainer, engines, pool, plane="broadcast", timeout_s=4.0)
     first = syncer.sync({0, 1})
     assert first.ok == {0, 1} and not first.failures
     trainer.train_step(trainer_pb2.Batch(samples=[trainer_pb2.Sample(prompt_ids=[3, 4], response_ids=[5], advantage=1.0)]))
 
-    victim = local.children[2].process
+    victim = fleet.victim
     stop_process(victim.pid, failure)
     started = time.monotonic()
     broken = syncer.sync({0, 1})
@@ -185,19 +255,20 @@ def test_a_failing_engine_mid_broadcast_leaves_trainer_and_others_usable(trainer
 
 @pytest.mark.parametrize("failure", ["killed", "stalled"])
 @pytest.mark.parametrize("plane", ["shm", "grpc_stream"])
-def test_an_engine_stopped_during_a_sync_leaves_trainer_and_others_usable(trainer_and_two_engines, plane, failure):
+def test_an_engine_stopped_during_a_sync_leaves_trainer_and_others_usable(faults, plane, failure):
     """The engine is stopped 30 ms into the sync: reading the trainer's segments, or pulling its
     stream (the trainer then has a stream open to a peer that reads no more). Killed a second
     later, or left stalled: the sync fails for it within the timeout, the trainer trains on while
     it is still stalled, and the next sync reaches the other engine."""
-    local, trainer, engines = trainer_and_two_engines
+    fleet = faults(plane)
+    trainer, engines = fleet.trainer, fleet.engines
     pool = ThreadPoolExecutor(8)
     syncer = make_syncer(trainer, engines, pool, plane=plane, timeout_s=4.0)
     sample = trainer_pb2.Sample(prompt_ids=[3, 4], response_ids=[5], advantage=1.0)
     try:
         assert syncer.sync({0, 1}).ok == {0, 1}
         trainer.train_step(trainer_pb2.Batch(samples=[sample]))
-        victim = local.children[2].process
+        victim = fleet.victim
         stop_process(victim.pid, failure, after_s=0.03)
         started = time.monotonic()
         broken = syncer.sync({0, 1})
@@ -220,11 +291,12 @@ def test_an_engine_stopped_during_a_sync_leaves_trainer_and_others_usable(traine
         pool.shutdown()
 
 
-def test_a_push_that_fails_at_once_does_not_hold_the_engines_until_their_timeout(trainer_and_two_engines):
+def test_a_push_that_fails_at_once_does_not_hold_the_engines_until_their_timeout(faults):
     """The trainer refuses the push (here: asked for a version it has no manifest of) while the
     group itself is fine: the engines already waiting on the collective must be let go now, not
     at the sync timeout."""
-    _, trainer, engines = trainer_and_two_engines
+    fleet = faults("broadcast")
+    trainer, engines = fleet.trainer, fleet.engines
     pool = ThreadPoolExecutor(8)
     try:
         syncer = make_syncer(trainer, engines, pool, plane="broadcast", timeout_s=60.0)
@@ -245,15 +317,16 @@ def test_a_push_that_fails_at_once_does_not_hold_the_engines_until_their_timeout
         pool.shutdown()
 
 
-def test_a_trainer_stalled_mid_sync_fails_the_sync_within_the_timeout_and_recovers(trainer_and_two_engines):
+def test_a_trainer_stalled_mid_sync_fails_the_sync_within_the_timeout_and_recovers(faults):
     """The trainer is the peer that stalls: stopped once it has sent the manifest, so the engines
     are waiting in the broadcast and its push never comes. The sync fails within the sync's
     timeout (not the clients' ten-minute deadline) and names the trainer; once the trainer runs
     again, the next sync forms a new group and reaches both engines."""
-    local, trainer, engines = trainer_and_two_engines
+    fleet = faults("broadcast")
+    trainer, engines = fleet.trainer, fleet.engines
     pool = ThreadPoolExecutor(8)
     syncer = make_syncer(trainer, engines, pool, plane="broadcast", timeout_s=4.0)
-    pid = local.children[0].process.pid
+    pid = fleet.trainer_process.pid
     try:
         assert syncer.sync({0, 1}).ok == {0, 1}
         trainer.train_step(trainer_pb2.Batch(samples=[trainer_pb2.Sample(prompt_ids=[3, 4], response_ids=[5], advantage=1.0)]))
@@ -294,7 +367,8 @@ def test_a_killed_trainer_leaves_nothing_in_dev_shm(tmp_path, tiny_model_dir):
         local.start("rollout", "rollout-0", [])
         local.wait_ready()
         trainer, engine = TrainerClient(local.children[0].address), RolloutClient(local.children[1].address)
-        _configure(trainer, [engine], tiny_model_dir)
+        _configure_trainer(trainer, tiny_model_dir)
+        _configure_engine(engine, tiny_model_dir)
         syncer = make_syncer(trainer, [engine], pool, plane="shm", timeout_s=30.0)
         before = set(os.listdir(SHM_DIR))
         assert syncer.sync({0}).ok == {0}

@@ -39,7 +39,8 @@ def ppo_fleet(tmp_path_factory):
                                    "--rollouts", rollout.address, "--db", "memory",
                                    "--runs-dir", str(tmp_path_factory.mktemp("runs"))])
         local.wait_ready()
-        yield {"trainer": trainer.address, "critic": critic.address, "coordinator": coordinator.address}
+        yield {"trainer": trainer.address, "critic": critic.address, "rollout": rollout.address,
+               "coordinator": coordinator.address}
     finally:
         local.stop()
 
@@ -111,11 +112,10 @@ def test_an_eval_only_ppo_job_never_configures_a_critic(tmp_path, ppo_fleet):
     local = LocalFleet(tmp_path / "logs", env={"OMP_NUM_THREADS": "1"})
     try:
         critic = local.start("trainer", "critic-0", [])
-        rollout = local.start("rollout", "rollout-0", [])
         local.wait_ready()
         coordinator = local.start("coordinator", "coordinator",
                                   ["--trainers", ppo_fleet["trainer"], "--critics", critic.address,
-                                   "--rollouts", rollout.address, "--db", "memory", "--runs-dir", str(tmp_path)])
+                                   "--rollouts", ppo_fleet["rollout"], "--db", "memory", "--runs-dir", str(tmp_path)])
         local.wait_ready()
         job = textwrap.dedent(f"""
             name: ppo-eval
@@ -181,16 +181,15 @@ def test_rlfleet_run_starts_a_critic_for_ppo_only_and_prints_what_it_learns(tmp_
     assert sorted(p.name for p in (tmp_path / "eval" / "logs").iterdir()) == ["coordinator.log", "rollout-0.log"]
 
 
-def test_two_critic_ranks_train_one_value_model(tmp_path):
+def test_two_critic_ranks_train_one_value_model(tmp_path, ppo_fleet):
+    # the module's policy trainer and engine (each job configures them afresh), two critics of its own
     local = LocalFleet(tmp_path / "logs", env={"OMP_NUM_THREADS": "1"})
     try:
-        trainer = local.start("trainer", "trainer-0", ["--checkpoint-root", str(tmp_path)])
         critics = [local.start("trainer", f"critic-{i}", ["--checkpoint-root", str(tmp_path)]) for i in range(2)]
-        rollout = local.start("rollout", "rollout-0", [])
         local.wait_ready()
         coordinator = local.start("coordinator", "coordinator", [
-            "--trainers", trainer.address, "--critics", ",".join(c.address for c in critics),
-            "--rollouts", rollout.address, "--db", "memory", "--runs-dir", str(tmp_path)])
+            "--trainers", ppo_fleet["trainer"], "--critics", ",".join(c.address for c in critics),
+            "--rollouts", ppo_fleet["rollout"], "--db", "memory", "--runs-dir", str(tmp_path)])
         local.wait_ready()
         job = _ppo_job(tmp_path / "out", num_rollout=2, extra="checkpoint: {every: 2}\n").replace(
             "critic: {warmup_steps: 2", "critic: {num_critics: 2, warmup_steps: 1")

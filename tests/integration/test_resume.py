@@ -64,15 +64,29 @@ def _submit(address: str, text: str) -> str:
             coordinator_pb2.CreateJobRequest(config_yaml=text), timeout=30).id
 
 
-@pytest.mark.parametrize("checkpoint_every", [2, 0], ids=["with-checkpoints", "without"])
-def test_a_killed_coordinator_resumes_its_job_from_the_last_checkpoint(tmp_path, tiny_model_dir, task_files,
-                                                                      checkpoint_every):
-    train, test = task_files
-    local = LocalFleet(tmp_path / "logs", env={"OMP_NUM_THREADS": "1"})
+@pytest.fixture(scope="module")
+def workers(tmp_path_factory):
+    """A trainer and an engine for both cases: each job configures them afresh, and only
+    coordinators are killed here."""
+    local = LocalFleet(tmp_path_factory.mktemp("resume-logs"), env={"OMP_NUM_THREADS": "1"})
     try:
-        trainer = local.start("trainer", "trainer-0", ["--checkpoint-root", str(tmp_path)])
+        # checkpoints of jobs writing under any test's tmp_path, and nowhere else
+        trainer = local.start("trainer", "trainer-0", ["--checkpoint-root", str(tmp_path_factory.getbasetemp())])
         engine = local.start("rollout", "rollout-0", [])
         local.wait_ready()
+        yield trainer, engine
+    finally:
+        stop_fleet(local, log_lines=15)
+
+
+@pytest.mark.parametrize("checkpoint_every", [2, 0], ids=["with-checkpoints", "without"])
+def test_a_killed_coordinator_resumes_its_job_from_the_last_checkpoint(tmp_path, tiny_model_dir, task_files,
+                                                                      workers, checkpoint_every):
+    train, test = task_files
+    trainer, engine = workers
+    assert trainer.process.poll() is None and engine.process.poll() is None, "a shared worker died in an earlier test"
+    local = LocalFleet(tmp_path / "logs", env={"OMP_NUM_THREADS": "1"})
+    try:
         db = tmp_path / "jobs.db"
         first = _coordinator(local, trainer, engine, db, "coordinator-1")
         job_id = _submit(first.address, _job("killed", tmp_path / "killed", tiny_model_dir, train, test, checkpoint_every))

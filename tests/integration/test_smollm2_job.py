@@ -22,22 +22,26 @@ EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "smollm2"
 
 
 def test_a_few_grpo_steps_of_the_chat_model_on_cpu(tmp_path, smollm2_model):
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    # Two threads per service: the fleet computes one phase at a time (generate, then train), and
+    # the trainer's step on this model is most of the test's time.
+    env = {**os.environ, "OMP_NUM_THREADS": "2"}
     subprocess.run([sys.executable, str(EXAMPLE / "make_data.py"), "--out", str(tmp_path / "data")], check=True,
                    env=env, capture_output=True, timeout=300)
     job = tmp_path / "job.yaml"
+    # Two prompts of four samples a step, in two micro-batches: the trainer's step on CPU costs
+    # about a second per sample of this model, and what is checked is per token, not per batch.
     job.write_text(textwrap.dedent(f"""
         name: smollm2-cpu
         seed: 1
         model: {smollm2_model}
         num_rollout: 2
         output_dir: {tmp_path / 'out'}
-        rollout: {{prompts_per_step: 4, samples_per_prompt: 4, sampling: {{temperature: 1.0, max_new_tokens: 8}}}}
+        rollout: {{prompts_per_step: 2, samples_per_prompt: 4, sampling: {{temperature: 1.0, max_new_tokens: 8}}}}
         data: {{train: {tmp_path / 'data' / 'train.jsonl'}, messages_key: messages}}
         reward: {{kind: math_verify, timeout_s: 5}}
         eval: {{datasets: [{{name: heldout, path: {tmp_path / 'data' / 'test.jsonl'}, limit: 8,
                             sampling: {{temperature: 0.0, max_new_tokens: 8}}}}]}}
-        trainer: {{micro_batch_size: 8, optimizer: {{lr: 1.0e-6}}}}
+        trainer: {{micro_batch_size: 4, optimizer: {{lr: 1.0e-6}}}}
         """))
     done = subprocess.run([sys.executable, "-m", "services.cli", "run", str(job), "--no-progress",
                            "--summary", str(tmp_path / "summary.json")],

@@ -72,15 +72,28 @@ class _Fleet:
         return self.discovery.trainers(), self.discovery.rollouts(), self.discovery.critics()
 
 
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    """One rollout engine for every test here: each job configures it afresh, and no test harms it
+    (they kill trainers and critics)."""
+    local = LocalFleet(tmp_path_factory.mktemp("engine-logs"), env=ENV)
+    try:
+        child = local.start("rollout", "rollout-0", [])
+        local.wait_ready()
+        yield child
+    finally:
+        stop_fleet(local, log_lines=10)
+
+
 @contextlib.contextmanager
-def _fleet(tmp_path, trainers: int = 1, critics: int = 0):
+def _fleet(tmp_path, engine, trainers: int = 1, critics: int = 0):
+    assert engine.process.poll() is None, "the shared engine died in an earlier test"
     local = LocalFleet(tmp_path / "logs", env=ENV)
     later = LocalFleet(tmp_path / "logs-later", env=ENV)
     fleet = None
     try:
         ts = [_trainer(local, f"trainer-{i}", tmp_path) for i in range(trainers)]
         cs = [_trainer(local, f"critic-{i}", tmp_path) for i in range(critics)]
-        engine = local.start("rollout", "rollout-0", [])
         local.wait_ready()
         discovery = StaticDiscovery([t.address for t in ts], [engine.address], [c.address for c in cs])
         fleet = _Fleet(local, later, ts, cs, engine, discovery)
@@ -132,8 +145,8 @@ def _assert_resumed_once(manager, job_id, lost_address: str, output_dir) -> None
     assert [r["step"] for r in lines] == list(range(1, 9))  # the re-run steps replaced their first lines
 
 
-def test_a_job_resumes_from_its_checkpoint_on_a_replacement_trainer(tmp_path, tiny_model_dir, task_files):
-    with _fleet(tmp_path) as fleet:
+def test_a_job_resumes_from_its_checkpoint_on_a_replacement_trainer(tmp_path, tiny_model_dir, task_files, engine):
+    with _fleet(tmp_path, engine) as fleet:
         manager = fleet.start_manager(tmp_path, trainer_wait_s=60)
         job = manager.create(_job(tmp_path, tiny_model_dir, *task_files, checkpoint_every=2), str(tmp_path))
         # the trainer pod dies... and comes back at another address
@@ -146,9 +159,9 @@ def test_a_job_resumes_from_its_checkpoint_on_a_replacement_trainer(tmp_path, ti
     (0, 3, "and the job has no checkpoint to resume from; set checkpoint.every"),
     (2, 0, "trainer restarts are off (--trainer-restarts 0)"),
 ], ids=["without-checkpoints", "restarts-off"])
-def test_a_job_that_cannot_restart_fails_saying_why(tmp_path, tiny_model_dir, task_files, checkpoint_every,
+def test_a_job_that_cannot_restart_fails_saying_why(tmp_path, tiny_model_dir, task_files, engine, checkpoint_every,
                                                     restarts, why):
-    with _fleet(tmp_path) as fleet:
+    with _fleet(tmp_path, engine) as fleet:
         manager = fleet.start_manager(tmp_path, trainer_restarts=restarts)
         job = manager.create(_job(tmp_path, tiny_model_dir, *task_files, checkpoint_every=checkpoint_every),
                              str(tmp_path))
@@ -161,8 +174,8 @@ def test_a_job_that_cannot_restart_fails_saying_why(tmp_path, tiny_model_dir, ta
         assert not any("resumes from" in m for m in _messages(manager, job.id))
 
 
-def test_a_job_waiting_for_its_lost_trainer_can_be_cancelled(tmp_path, tiny_model_dir, task_files):
-    with _fleet(tmp_path) as fleet:  # the dead address stays listed
+def test_a_job_waiting_for_its_lost_trainer_can_be_cancelled(tmp_path, tiny_model_dir, task_files, engine):
+    with _fleet(tmp_path, engine) as fleet:  # the dead address stays listed
         manager = fleet.start_manager(tmp_path, trainer_wait_s=600)
         job = manager.create(_job(tmp_path, tiny_model_dir, *task_files, checkpoint_every=2), str(tmp_path))
         killed, cancelled_at = False, None
@@ -178,8 +191,8 @@ def test_a_job_waiting_for_its_lost_trainer_can_be_cancelled(tmp_path, tiny_mode
         assert time.monotonic() - cancelled_at < 5  # not at the end of the 600 s wait
 
 
-def test_a_two_rank_trainer_group_that_loses_a_rank_resumes(tmp_path, tiny_model_dir, task_files):
-    with _fleet(tmp_path, trainers=2) as fleet:
+def test_a_two_rank_trainer_group_that_loses_a_rank_resumes(tmp_path, tiny_model_dir, task_files, engine):
+    with _fleet(tmp_path, engine, trainers=2) as fleet:
         manager = fleet.start_manager(tmp_path, trainer_wait_s=60)
         job = manager.create(_job(tmp_path, tiny_model_dir, *task_files, checkpoint_every=2, num_trainers=2),
                              str(tmp_path))
@@ -190,8 +203,9 @@ def test_a_two_rank_trainer_group_that_loses_a_rank_resumes(tmp_path, tiny_model
         _assert_resumed_once(manager, job.id, rank1.address, tmp_path / "out")
 
 
-def test_a_ppo_job_that_loses_its_critic_resumes_with_the_critics_checkpoint(tmp_path, tiny_model_dir, task_files):
-    with _fleet(tmp_path, critics=1) as fleet:
+def test_a_ppo_job_that_loses_its_critic_resumes_with_the_critics_checkpoint(tmp_path, tiny_model_dir, task_files,
+                                                                            engine):
+    with _fleet(tmp_path, engine, critics=1) as fleet:
         manager = fleet.start_manager(tmp_path, trainer_wait_s=60)
         ppo = "algorithm: {advantage: ppo}\ncritic: {optimizer: {lr: 0.01}}\n"
         job = manager.create(_job(tmp_path, tiny_model_dir, *task_files, checkpoint_every=2, extra=ppo), str(tmp_path))
@@ -205,12 +219,12 @@ def test_a_ppo_job_that_loses_its_critic_resumes_with_the_critics_checkpoint(tmp
 
 
 def test_a_trainer_that_dies_during_a_sync_is_recognised_and_the_job_resumes(tmp_path, tiny_model_dir, task_files,
-                                                                               monkeypatch):
+                                                                               engine, monkeypatch):
     """A sync whose trainer dies half-way fails with the engines' errors only (WeightSyncFailed
     names no trainer); the coordinator then finds the trainer silent and restarts the job all the same."""
     from services.coordinator import loop as loop_module
 
-    with _fleet(tmp_path) as fleet:
+    with _fleet(tmp_path, engine) as fleet:
         trainer = fleet.trainers[0]
         real_sync = loop_module.RLLoop.sync_weights
 

@@ -20,12 +20,11 @@ from services.weights.manifest import manifest_from_proto
 pytestmark = pytest.mark.faults
 
 
-@pytest.fixture
-def trainers(tmp_path):
-    """Three trainer processes: two to form a group, one to train alone."""
+def _trainer_processes(tmp_path, count: int):
+    """`count` trainer processes and their clients; any a test stopped is continued so it can exit."""
     local = LocalFleet(tmp_path / "logs", env={"OMP_NUM_THREADS": "1"})
     try:
-        children = [local.start("trainer", f"trainer-{i}", []) for i in range(3)]
+        children = [local.start("trainer", f"trainer-{i}", []) for i in range(count)]
         local.wait_ready()
         yield local, [TrainerClient(c.address, deadline_s=120) for c in children]
     finally:
@@ -35,6 +34,18 @@ def trainers(tmp_path):
             except ProcessLookupError:
                 pass
         local.stop()
+
+
+@pytest.fixture
+def trainers(tmp_path):
+    """Three trainer processes: two to form a group, one to train alone."""
+    yield from _trainer_processes(tmp_path, 3)
+
+
+@pytest.fixture
+def two_trainers(tmp_path):
+    """Two trainer processes, to form a group."""
+    yield from _trainer_processes(tmp_path, 2)
 
 
 def _config(model_dir) -> trainer_pb2.TrainerConfig:
@@ -99,8 +110,8 @@ def test_two_ranks_take_the_step_one_rank_takes(trainers, tiny_model_dir):
         rank1.weight_manifest()
 
 
-def test_a_rank_that_dies_mid_step_fails_the_step_and_frees_the_other(trainers, tiny_model_dir):
-    local, (rank0, rank1, _) = trainers
+def test_a_rank_that_dies_mid_step_fails_the_step_and_frees_the_other(two_trainers, tiny_model_dir):
+    local, (rank0, rank1) = two_trainers
     group = TrainerGroup([rank0, rank1], timeout_s=10)
     group.configure(_config(tiny_model_dir))
     os.kill(local.children[1].process.pid, signal.SIGKILL)
@@ -113,10 +124,10 @@ def test_a_rank_that_dies_mid_step_fails_the_step_and_frees_the_other(trainers, 
     assert rank0.status().step == 0
 
 
-def test_a_rank_whose_peer_never_comes_answers_meanwhile_and_fails_in_the_timeout(trainers, tiny_model_dir):
+def test_a_rank_whose_peer_never_comes_answers_meanwhile_and_fails_in_the_timeout(two_trainers, tiny_model_dir):
     import threading
 
-    _, (rank0, rank1, _) = trainers
+    _, (rank0, rank1) = two_trainers
     port = rank0.open_rank_group(2, timeout_s=30)
     config = _config(tiny_model_dir)
     config.ranks.CopyFrom(trainer_pb2.RankGroup(rank=1, world_size=2, address=f"127.0.0.1:{port}", timeout_s=4))

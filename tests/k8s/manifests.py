@@ -77,18 +77,34 @@ def validation_versions(objects: list[dict[str, Any]]) -> tuple[str, ...]:
     return versions
 
 
+@functools.cache
+def _schema_contents() -> Any:
+    """kubernetes-validate's schema reader, remembering what it parsed: the stock one parses the
+    multi-megabyte definitions file again for every object, most of these tests' time. The
+    schemas are only read, so one parsed copy serves every validation of the session."""
+    from kubernetes_validate import utils
+
+    return functools.cache(utils.schema_contents)
+
+
 def validate(objects: list[dict[str, Any]], versions: tuple[str, ...] | None = None) -> None:
     """Strict validation against `versions` (default: validation_versions, the oldest and newest
     schemas the chart supports, raised to the release of any later API the objects use)."""
-    import kubernetes_validate
+    from unittest import mock
 
-    for version in versions or validation_versions(objects):
-        for obj in filter(validated, objects):
-            try:
-                kubernetes_validate.validate(obj, version, strict=True)
-            except kubernetes_validate.ValidationError as e:
-                path = ".".join(str(p) for p in e.path)
-                raise AssertionError(f"{obj['kind']}/{obj['metadata']['name']} (k8s {version}) at {path}: {e.message}") from e
+    import kubernetes_validate
+    from kubernetes_validate import utils
+
+    read = _schema_contents()
+    with mock.patch.object(utils, "schema_contents", read):
+        for version in versions or validation_versions(objects):
+            for obj in filter(validated, objects):
+                try:
+                    kubernetes_validate.validate(obj, version, strict=True)
+                except kubernetes_validate.ValidationError as e:
+                    path = ".".join(str(p) for p in e.path)
+                    raise AssertionError(
+                        f"{obj['kind']}/{obj['metadata']['name']} (k8s {version}) at {path}: {e.message}") from e
 
 
 _UNITS = {"": 1, "m": 1e-3, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15, "E": 1e18,
