@@ -21,6 +21,7 @@ from services.coordinator.server import build_server as build_coordinator_server
 from services.coordinator.store import MemoryJobStore
 from services.rollout.server import build_server as build_rollout_server
 from services.trainer.server import build_server as build_trainer_server
+from tests.conftest import make_tiny_model
 from tests.integration.conftest import channel
 
 pytestmark = pytest.mark.faults
@@ -126,7 +127,16 @@ def _fuzz(address: str, service, stub_class, method_name: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def servers(tmp_path_factory, tiny_model_dir):
+def micro_model_dir(tmp_path_factory):
+    """A model of a few kilobytes: once a manifest exists, a generated GetWeights with a chunk size
+    of a few bytes streams every byte in chunks that small, and with the tiny model's 78 KB such a
+    call ran into its deadline instead of to its end."""
+    return make_tiny_model(tmp_path_factory.mktemp("fuzz-model"), hidden_size=8, intermediate_size=16,
+                           num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=4)
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory, micro_model_dir):
     root = tmp_path_factory.mktemp("fuzz-checkpoints")
     trainer = build_trainer_server("127.0.0.1:0", checkpoint_root=root)
     rollout = build_rollout_server("127.0.0.1:0")
@@ -137,10 +147,10 @@ def servers(tmp_path_factory, tiny_model_dir):
                  (("trainer", trainer), ("rollout", rollout), ("coordinator", coordinator))}
     with channel(addresses["trainer"]) as ch:
         trainer_pb2_grpc.TrainerStub(ch).Configure(trainer_pb2.ConfigureTrainerRequest(config=trainer_pb2.TrainerConfig(
-            model_path=str(tiny_model_dir), optimizer=trainer_pb2.OptimizerConfig(lr=1e-3))), timeout=60)
+            model_path=str(micro_model_dir), optimizer=trainer_pb2.OptimizerConfig(lr=1e-3))), timeout=60)
     with channel(addresses["rollout"]) as ch:
         rollout_pb2_grpc.RolloutStub(ch).Configure(rollout_pb2.ConfigureRolloutRequest(
-            config=rollout_pb2.RolloutConfig(model_path=str(tiny_model_dir), load_weights=True)), timeout=60)
+            config=rollout_pb2.RolloutConfig(model_path=str(micro_model_dir), load_weights=True)), timeout=60)
     yield addresses
     for s in (trainer, rollout, coordinator):
         s.stop(0)

@@ -36,12 +36,21 @@ def converted(smollm2_model):
 
 @pytest.fixture(scope="module")
 def reference():
+    import functools
+    from unittest import mock
+
+    import gguf
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     source = make_model.gguf_path()
     kwargs = dict(gguf_file=source.name)
-    return (AutoModelForCausalLM.from_pretrained(str(source.parent), dtype=torch.float32, **kwargs),
-            AutoTokenizer.from_pretrained(str(source.parent), **kwargs))
+    # transformers parses the GGUF file anew for the config, the weights and the tokenizer, and
+    # builds gguf's tensor-name map once per module of the model: half of this fixture's time.
+    # It only reads them, so one parse and one map per architecture serve all three loads.
+    with mock.patch.object(gguf, "GGUFReader", functools.cache(gguf.GGUFReader)), \
+            mock.patch.object(gguf, "get_tensor_name_map", functools.cache(gguf.get_tensor_name_map)):
+        return (AutoModelForCausalLM.from_pretrained(str(source.parent), dtype=torch.float32, **kwargs),
+                AutoTokenizer.from_pretrained(str(source.parent), **kwargs))
 
 
 def test_the_decoder_gives_transformers_logits(converted, reference):
