@@ -124,13 +124,13 @@ class MegatronTrainer(TorchTrainer):
     @property
     def schedule_position(self) -> int:
         if self._megatron_optimizer is None:
-            return self.scheduler.last_epoch
+            return super().schedule_position
         return self._megatron_optimizer.schedule_position
 
     @schedule_position.setter
     def schedule_position(self, steps: int) -> None:
         if self._megatron_optimizer is None:
-            self.scheduler.last_epoch = steps
+            TorchTrainer.schedule_position.fset(self, steps)
         else:
             self._megatron_optimizer.schedule_position = steps
 

@@ -31,9 +31,6 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from services.trainer.settings import TrainerSettings
 
-_DECAY_STYLES = {"constant": "constant", "linear": "linear", "cosine": "cosine"}
-
-
 def wrap(model: torch.nn.Module) -> DistributedDataParallel:
     """Megatron's DDP around `model`: the parameters move into its contiguous buffer, in place."""
     ddp_config = DistributedDataParallelConfig(
@@ -45,15 +42,13 @@ def wrap(model: torch.nn.Module) -> DistributedDataParallel:
 def schedule_arguments(settings: TrainerSettings) -> dict:
     """`OptimizerParamScheduler`'s arguments for the trainer's optimizer and scheduler settings."""
     opt, sched = settings.optimizer, settings.scheduler
+    sched.check_decay()
+    # Megatron asserts warmup < decay steps even for a constant schedule, which never decays
     decay_steps = sched.decay_steps if sched.kind != "constant" else max(sched.decay_steps, sched.warmup_steps + 1)
-    if decay_steps <= sched.warmup_steps:
-        raise ValueError(
-            f"scheduler.decay_steps ({sched.decay_steps}) must be larger than scheduler.warmup_steps "
-            f"({sched.warmup_steps}) for a {sched.kind} schedule"
-        )
     return dict(
         init_lr=0.0, max_lr=opt.lr, min_lr=opt.lr * sched.min_lr_ratio,
-        lr_warmup_steps=sched.warmup_steps, lr_decay_steps=decay_steps, lr_decay_style=_DECAY_STYLES[sched.kind],
+        # the project's kinds (SCHEDULER_KINDS) are Megatron's decay-style names
+        lr_warmup_steps=sched.warmup_steps, lr_decay_steps=decay_steps, lr_decay_style=sched.kind,
         start_wd=opt.weight_decay, end_wd=opt.weight_decay, wd_incr_steps=decay_steps, wd_incr_style="constant",
     )
 

@@ -50,6 +50,14 @@ class SchedulerSettings:
             raise ValueError("scheduler.warmup_steps, scheduler.decay_steps: must be >= 0")
         _finite("scheduler.min_lr_ratio", self.min_lr_ratio, low=0.0, high=1.0)
 
+    def check_decay(self) -> None:
+        """A decaying schedule must end its decay after its warm-up. Checked when an optimizer is
+        built, never in eval-only, which reads no schedule settings."""
+        if self.kind != "constant" and self.decay_steps <= self.warmup_steps:
+            raise ValueError(
+                f"scheduler.decay_steps ({self.decay_steps}) must be larger than scheduler.warmup_steps "
+                f"({self.warmup_steps}) for a {self.kind} schedule"
+            )
 
 @dataclass(frozen=True, kw_only=True)
 class LossSettings:

@@ -35,12 +35,8 @@ log = logging.getLogger("rlfleet.trainer")
 
 def lr_lambda(settings: SchedulerSettings):
     """Multiplier of the base LR at a step: linear warm-up, then constant / linear / cosine decay."""
+    settings.check_decay()
     warmup, decay, floor = settings.warmup_steps, settings.decay_steps, settings.min_lr_ratio
-    if settings.kind != "constant" and decay <= warmup:
-        raise ValueError(
-            f"scheduler.decay_steps ({decay}) must be larger than scheduler.warmup_steps ({warmup}) "
-            f"for a {settings.kind} schedule"
-        )
 
     def multiplier(step: int) -> float:
         if warmup > 0 and step < warmup:
