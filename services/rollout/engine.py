@@ -194,7 +194,9 @@ class RolloutEngine:
         """The adoption plan for owned buffers, kept for the last two buffer sets (staging's two)."""
         key = (layout, tuple(b.data_ptr() for b in buffers))
         for cached_key, plan in self._plans:
-            if cached_key == key:  # the cached views keep those storages alive: same pointers, same storages
+            # The cached views keep their storages alive, so an address names the same storage,
+            # as long as no swap moved memory between storages (a swap drops every plan).
+            if cached_key == key:
                 return plan
         plan = adoption_plan(self._named, manifest, buffers)
         self._plans = [(key, plan)] + self._plans[:1]
@@ -212,6 +214,9 @@ class RolloutEngine:
             return False
         for storage, flat in zip(storages, buffers):
             storage._swap_data_ptr_(flat.untyped_storage())  # noqa: SLF001 (every view of it sees the new bytes)
+        # A plan kept for these buffers' old addresses holds views of storages that now hold other
+        # memory: loaded later (after an shm update reset the layout), it would serve old bytes.
+        self._plans = []
         return True
 
     def leave_pool(self, reason: str) -> None:

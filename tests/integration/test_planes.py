@@ -153,14 +153,16 @@ class _Faults:
 
 @dataclass
 class _SharedPeers:
-    """The trainer, and an engine 0 per plane, started and configured once for the module's fault
-    tests. No test leaves them stopped (a stalled trainer is continued) and each test ends with a
-    sync that reaches engine 0 again, as its own assertions check. Engine 0 keeps to one plane,
-    as it did when every test started its own: switching planes is not what these tests test."""
+    """The trainer and engine 0, started and configured once for the module's fault tests. No test
+    leaves them stopped (a stalled trainer is continued) and each test ends with a sync that
+    reaches engine 0 again, as its own assertions check. Engine 0 takes every plane in turn, in
+    the tests' order (broadcast with a peer killed, then shm, then grpc_stream): an engine that
+    switched planes this way once reported the newest version while serving an older one's bytes,
+    which the sha256 check after each test catches."""
 
     local: LocalFleet
     trainer: TrainerClient
-    engines: dict[str, RolloutClient]  # plane -> its engine 0
+    engine: RolloutClient
 
     @property
     def trainer_process(self) -> subprocess.Popen:
@@ -172,14 +174,12 @@ def shared_peers(tmp_path_factory, mid_model):
     local = LocalFleet(tmp_path_factory.mktemp("faults-logs"), env={"OMP_NUM_THREADS": "1"})
     try:
         trainer = local.start("trainer", "trainer-0", [])
-        engines = {plane: local.start("rollout", f"rollout-0-{plane}", [])
-                   for plane in ("broadcast", "shm", "grpc_stream")}
+        engine = local.start("rollout", "rollout-0", [])
         local.wait_ready()
-        peers = _SharedPeers(local, TrainerClient(trainer.address),
-                             {plane: RolloutClient(child.address) for plane, child in engines.items()})
-        with ThreadPoolExecutor(4) as pool:  # the four load the model side by side
-            done = [pool.submit(_configure_trainer, peers.trainer, mid_model)]
-            done += [pool.submit(_configure_engine, engine, mid_model) for engine in peers.engines.values()]
+        peers = _SharedPeers(local, TrainerClient(trainer.address), RolloutClient(engine.address))
+        with ThreadPoolExecutor(2) as pool:  # the two load the model side by side
+            done = [pool.submit(_configure_trainer, peers.trainer, mid_model),
+                    pool.submit(_configure_engine, peers.engine, mid_model)]
             for future in done:
                 future.result()
         yield peers
@@ -196,16 +196,16 @@ def _client_of(configured, client_type):
 
 @pytest.fixture
 def faults(tmp_path, mid_model, shared_peers):
-    """`faults(plane)`: the shared trainer and that plane's engine 0, through clients of this test's
-    own, and a fresh engine 1 for this test alone."""
+    """`faults()`: the shared trainer and engine 0, through clients of this test's own, and a fresh
+    engine 1 for this test alone."""
     local = LocalFleet(tmp_path / "logs", env={"OMP_NUM_THREADS": "1"})
     clients: list = []
 
-    def make(plane: str) -> _Faults:
+    def make() -> _Faults:
         assert all(c.process.poll() is None for c in shared_peers.local.children), \
             "an earlier test left a shared process dead"
         trainer = _client_of(shared_peers.trainer, TrainerClient)
-        survivor = _client_of(shared_peers.engines[plane], RolloutClient)
+        survivor = _client_of(shared_peers.engine, RolloutClient)
         clients.extend([trainer, survivor])
         victim = local.start("rollout", "rollout-1", [])
         local.wait_ready()
@@ -223,7 +223,7 @@ def faults(tmp_path, mid_model, shared_peers):
 
 @pytest.mark.parametrize("failure", ["killed", "stalled"])
 def test_a_failing_engine_mid_broadcast_leaves_trainer_and_others_usable(faults, failure):
-    fleet = faults("broadcast")
+    fleet = faults()
     trainer, engines = fleet.trainer, fleet.engines
     pool = ThreadPoolExecutor(8)
     syncer = make_syncer(trainer, engines, pool, plane="broadcast", timeout_s=4.0)
@@ -260,7 +260,7 @@ def test_an_engine_stopped_during_a_sync_leaves_trainer_and_others_usable(faults
     stream (the trainer then has a stream open to a peer that reads no more). Killed a second
     later, or left stalled: the sync fails for it within the timeout, the trainer trains on while
     it is still stalled, and the next sync reaches the other engine."""
-    fleet = faults(plane)
+    fleet = faults()
     trainer, engines = fleet.trainer, fleet.engines
     pool = ThreadPoolExecutor(8)
     syncer = make_syncer(trainer, engines, pool, plane=plane, timeout_s=4.0)
@@ -295,7 +295,7 @@ def test_a_push_that_fails_at_once_does_not_hold_the_engines_until_their_timeout
     """The trainer refuses the push (here: asked for a version it has no manifest of) while the
     group itself is fine: the engines already waiting on the collective must be let go now, not
     at the sync timeout."""
-    fleet = faults("broadcast")
+    fleet = faults()
     trainer, engines = fleet.trainer, fleet.engines
     pool = ThreadPoolExecutor(8)
     try:
@@ -322,7 +322,7 @@ def test_a_trainer_stalled_mid_sync_fails_the_sync_within_the_timeout_and_recove
     are waiting in the broadcast and its push never comes. The sync fails within the sync's
     timeout (not the clients' ten-minute deadline) and names the trainer; once the trainer runs
     again, the next sync forms a new group and reaches both engines."""
-    fleet = faults("broadcast")
+    fleet = faults()
     trainer, engines = fleet.trainer, fleet.engines
     pool = ThreadPoolExecutor(8)
     syncer = make_syncer(trainer, engines, pool, plane="broadcast", timeout_s=4.0)

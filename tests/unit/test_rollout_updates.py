@@ -107,3 +107,34 @@ def test_staging_never_hands_out_the_set_the_model_holds_whatever_list_comes_bac
     assert all(a is b for a, b in zip(staging.buffers(manifest), second))
     with pytest.raises(AssertionError, match="not the set handed out"):
         staging.adopted(list(first), kept=True)
+
+
+def _shm_update(engine: RolloutEngine, weights, version: int) -> None:
+    """What UpdateWeights does for shm on a CPU engine: the trainer's segments (not staging, not
+    owned by the engine) become the weights."""
+    manifest, flats = _packed(weights, version)
+    engine.apply(engine.read_manifest(manifest_to_proto(manifest)), flats, adopt=True)
+
+
+@pytest.mark.parametrize("can_swap", [True, False], ids=["swap", "adopt-per-tensor"])
+def test_staged_updates_between_shm_updates_serve_exactly_the_new_version(tiny_model_dir, monkeypatch, can_swap):
+    """One engine switching planes: staged updates (broadcast, grpc_stream), then shm, then staged
+    again. An update once loaded a plan kept for a buffer address whose memory a swap had since
+    moved to another buffer, so the engine reported the new version while serving an older one's
+    bytes. Every order of up to five updates of either kind must serve exactly the last version."""
+    import itertools
+
+    monkeypatch.setattr(engine_module, "_CAN_SWAP", can_swap and engine_module._CAN_SWAP)
+    weights = [_trainer_weights(RolloutEngine(RolloutSettings(model_path=str(tiny_model_dir))), seed)
+               for seed in range(10, 16)]
+    for kinds in itertools.product(("staged", "shm"), repeat=5):
+        engine = RolloutEngine(RolloutSettings(model_path=str(tiny_model_dir)))
+        staging = Staging(engine.device)
+        for version, kind in enumerate(kinds, start=1):
+            served = weights[version % len(weights)]
+            if kind == "staged":
+                _update(engine, staging, served, version)
+            else:
+                _shm_update(engine, served, version)
+            assert engine.weight_version == version
+            assert _serves(engine, served), f"after {kinds[:version]}: version {version} is not what is served"
