@@ -294,7 +294,11 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
             try:
                 buffers = receiver.receive_broadcast(group, request.broadcast.src_rank, manifest, self._staging)
             except WeightSyncError:
-                self._groups.pop(group.name).close()  # a broken collective cannot be reused
+                # A broken collective cannot be reused. The group may be gone already (destroyed,
+                # or replaced by a new group of its name, while this update waited on it).
+                if self._groups.get(group.name) is group:
+                    del self._groups[group.name]
+                group.close()
                 raise
         copied = engine.apply(manifest, buffers, read_back=read_back, adopt=True, owned=True)
         self._staging.adopted(buffers, kept=engine.holds_buffers)

@@ -9,6 +9,7 @@ rank has joined; joining blocks until then, so callers join concurrently.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
 import math
@@ -69,6 +70,9 @@ class WeightGroup:
                                   f"within {timeout_s:g} s: {' '.join(str(e).split())[:300]}") from e
         self.port = self._store.port
         self._pg = None
+        self._lock = threading.Lock()
+        self._in_flight = 0  # calls with collectives under way
+        self._abort_when_idle = None  # a closed gloo communicator, aborted when its last call ends
         self._ready = threading.Event()
         self._error: BaseException | None = None
 
@@ -130,29 +134,44 @@ class WeightGroup:
         self.wait_ready()
         step = None if self.backend == "nccl" else PART_BYTES
         pieces = [(k, start, stop) for k, flat in enumerate(flats) for start, stop in _cut(flat.numel(), step)]
-        try:
-            works = [self._pg.broadcast([flats[k][start:stop]], _options(src)) for k, start, stop in pieces]
+        with self._collectives() as pg:
+            works = [pg.broadcast([flats[k][start:stop]], _options(src)) for k, start, stop in pieces]
             for work, (k, _, stop) in zip(works, pieces):
                 self._wait(work)
                 if on_part is not None:
                     on_part(k, stop)
-        except WeightSyncError:
-            raise
-        except RuntimeError as e:
-            raise WeightSyncError(f"group {self.name!r}: broadcast failed on rank {self.rank}: {e}") from e
 
     def broadcast_packed(self, flats: Iterable[torch.Tensor], src: int = 0) -> None:
         """Each flat buffer as ONE broadcast, whole: the collectives a receiver that sizes its
         buffer from the tensors it expects (SGLang's flattened_bucket) posts, one per bucket.
         `flats` may be a generator: a buffer is made only when the one before it has gone."""
         self.wait_ready()
-        try:
+        with self._collectives() as pg:
             for flat in flats:
-                self._wait(self._pg.broadcast([flat], _options(src)))
-        except WeightSyncError:
-            raise
+                self._wait(pg.broadcast([flat], _options(src)))
+
+    @contextlib.contextmanager
+    def _collectives(self):
+        """The communicator, for one call's collectives; their failures as WeightSyncError."""
+        with self._lock:
+            pg = self._pg
+            if pg is None:
+                raise WeightSyncError(f"group {self.name!r} is closed")
+            self._in_flight += 1
+        try:
+            yield pg
         except RuntimeError as e:
+            if isinstance(e, WeightSyncError):
+                raise
             raise WeightSyncError(f"group {self.name!r}: broadcast failed on rank {self.rank}: {e}") from e
+        finally:
+            with self._lock:
+                self._in_flight -= 1
+                leftover = self._abort_when_idle if self._in_flight == 0 else None
+                if leftover is not None:
+                    self._abort_when_idle = None
+            if leftover is not None:
+                _abort(leftover)
 
     def _wait(self, work) -> None:
         """Until `work` is done, or WeightSyncError after the group's timeout. NCCL's own timed
@@ -171,10 +190,19 @@ class WeightGroup:
 
     def close(self, wait_s: float = 10.0) -> None:
         """Abort the communicator, waiting at most `wait_s`: callers hold their service's lock,
-        and an abort stuck on a collective that will never finish must not hold it forever."""
-        pg, self._pg = self._pg, None
+        and an abort stuck on a collective that will never finish must not hold it forever.
+
+        Gloo's abort waits, holding the GIL, for the collectives in flight, which end only at
+        the group's timeout; so a gloo group closed while a call still waits on it is aborted by
+        that call when it ends, and close returns at once."""
+        with self._lock:
+            pg, self._pg = self._pg, None
+            deferred = pg is not None and self.backend == "gloo" and self._in_flight > 0
+            if deferred:
+                self._abort_when_idle = pg
         if pg is not None:
             _forget(pg)  # first: an abort that hangs must not keep the name from the next group
+        if pg is not None and not deferred:
             aborting = threading.Thread(target=_abort, args=(pg,), name=f"abort-{self.name}", daemon=True)
             aborting.start()
             aborting.join(wait_s)
