@@ -97,11 +97,14 @@ def test_greedy_outputs_equal_the_eager_path(arch):
 
 
 def test_graphs_replay_exactly_what_the_eager_runner_computes_and_seeds_reproduce():
+    """Decode and prefill graphs against the same kernels launched one by one: the same tokens
+    and logprobs, bit for bit."""
     model = _model(dtype=torch.bfloat16).cuda()
     prompts = _prompts() * 3
     sampled = Sampling(temperature=0.9, top_p=0.95, max_new_tokens=24, n=3, seed=7, ignore_eos=True)
     graphs = GenerationCore(model, TOKENIZER, torch.device("cuda"), CoreSettings(max_batch_size=16))
     a, b = graphs.generate(prompts, sampled), graphs.generate(prompts, sampled)
+    assert graphs.runner._prefill_graphs  # prefills replayed too
     eager = GenerationCore(model, TOKENIZER, torch.device("cuda"), CoreSettings(max_batch_size=16, cuda_graphs=False))
     c = eager.generate(prompts, sampled)  # the same kernels launched one by one: the same numbers
     assert [r.output_ids for r in a] == [r.output_ids for r in b] == [r.output_ids for r in c]

@@ -109,3 +109,36 @@ def test_first_tokens_follow_the_filtered_softmax(temperature, top_k, top_p):
     stderr = (expected * (1 - expected) / draws).sqrt()
     assert ((counts / draws - expected).abs() <= 5 * stderr + 1e-9).all(), (counts / draws, expected)
     assert counts[expected == 0].sum() == 0
+
+
+def test_a_prefill_padded_to_its_gpu_shape_gives_the_same_logits_and_cache(monkeypatch):
+    """On a GPU prefills are padded to a few shapes (so that few graphs serve them): padding
+    prompts and padding positions must change neither the real prompts' logits nor any cache
+    block but the trash block. Run here by padding on the CPU as a GPU would."""
+    from services.rollout.builtin import runner as runner_module
+    from services.rollout.builtin.kv_cache import TRASH_BLOCK
+
+    model = _model(dtype=torch.float32)
+    prompts = [LONG, _prompts()[1], _prompts()[0]]
+    core = _core(model, max_batch_size=8)
+    core.generate(prompts, Sampling(temperature=0, max_new_tokens=1))  # makes the pool and runner
+    runner, cache = core.runner, core.cache
+    bs = cache.shape.block_size
+    tables = [cache.allocator.allocate(cache.shape.blocks_for(len(p))) for p in prompts]
+
+    def prefill(shape) -> tuple[torch.Tensor, torch.Tensor]:
+        monkeypatch.setattr(runner_module.ModelRunner, "prefill_shape", lambda self, g, n: shape or (g, n))
+        cache.kv.zero_()
+        with torch.inference_mode():
+            logits = runner._prefill_logits(prompts, tables)
+        return logits, cache.kv.clone()
+
+    plain_logits, plain_cache = prefill(None)
+    padded_logits, padded_cache = prefill((4, 48))
+    assert padded_logits.shape[0] == 4 and plain_logits.shape[0] == len(prompts)
+    torch.testing.assert_close(padded_logits[: len(prompts)], plain_logits, rtol=1e-5, atol=1e-5)
+    real = [b for b in range(cache.num_blocks) if b != TRASH_BLOCK]
+    torch.testing.assert_close(padded_cache[:, :, real], plain_cache[:, :, real], rtol=1e-5, atol=1e-5)
+    written = sum(len(p) for p in prompts)
+    assert int((plain_cache[0, 0, real].abs().sum(dim=(-1, -2)) != 0).sum()) == written  # one row per token
+    assert bs * len(real) >= written

@@ -9,6 +9,10 @@ every few steps (`Scheduler`). Rows sit in slots [0, num_rows); a bucket's graph
 first `bucket` slots, and slots past num_rows are padding rows that are done and write to the
 trash block.
 
+A prefill is captured too, once per padded (prompts, length) shape (`prefill_shape`): eager,
+its few hundred launches cost ~15 ms of host time however small the batch, as much as 15
+decode steps of the 0.5B model.
+
 Sampling settings live in device tensors too, so graphs survive a change of temperature or
 top-p; top-k (a shape) and greedy (a different kernel) pick the graph. Graphs hold the
 addresses of weights, KV cache and these tensors: the weights stay put (`forward.fuse_projections`,
@@ -42,6 +46,22 @@ class StepMode:
     top_p: bool
 
 
+MAX_GRAPH_PREFILL_TOKENS = 16384  # padded groups x length of the largest prefill run as a graph
+MAX_PREFILL_GRAPHS = 48  # shapes captured at most (each keeps its logits); others run eagerly
+
+
+def _prefill_lengths() -> list[int]:
+    """Prompt lengths a GPU prefill is padded to: 16, 32, 48, 64, 96, 128, 192, ... (2^k and 3 * 2^k)."""
+    return sorted({m << k for k in range(4, 24) for m in (1, 3) if (m << k) >= 16})
+
+
+@dataclass
+class _PrefillGraph:
+    graph: torch.cuda.CUDAGraph
+    inputs: tuple[torch.Tensor, ...]  # tokens, lengths, tables: a replay reads what was copied here
+    logits: torch.Tensor  # [G, V], written by every replay
+
+
 @dataclass
 class NewRow:
     """A row entering the batch: its slot's contents after the prompt's prefill."""
@@ -62,6 +82,7 @@ class ModelRunner:
         self.vocab_size = decoder.config.vocab_size
         self.rows: RowState
         self._graphs: dict[tuple[int, StepMode], torch.cuda.CUDAGraph] = {}
+        self._prefill_graphs: dict[tuple[int, int], _PrefillGraph] = {}
         self._pool = None
         self._alloc_state()
 
@@ -88,17 +109,7 @@ class ModelRunner:
                 mode: StepMode) -> None:
         """Prefill `prompts` (each once, its cache positions in `blocks[i]`), then start `rows` in
         slots first_slot.. with their first sampled token."""
-        bs = self.cache.shape.block_size
-        length = max(len(p) for p in prompts)
-        trash = list(range(TRASH_BLOCK * bs, TRASH_BLOCK * bs + bs)) * -(-length // bs)
-        # Plain lists, one tensor each: a tensor op per prompt cost ~15 ms for 256 prompts.
-        tokens = torch.tensor([p + [0] * (length - len(p)) for p in prompts])  # [G, P]
-        slots = torch.tensor([
-            ([b * bs + o for b in table[: -(-len(p) // bs)] for o in range(bs)][: len(p)] + trash)[:length]
-            for p, table in zip(prompts, blocks)
-        ])  # [G, P]
-        lengths = torch.tensor([len(p) for p in prompts])
-        logits = self.decoder.prefill(tokens.to(self.device), lengths.to(self.device), slots.to(self.device))  # [G, V]
+        logits = self._prefill_logits(prompts, blocks)  # [G', V], G' >= G (padding groups last)
 
         count = len(rows)
         slot = slice(first_slot, first_slot + count)
@@ -113,6 +124,53 @@ class ModelRunner:
         state.positions[slot] = torch.tensor([row.prompt_len - 1 for row in rows], dtype=torch.int32, device=self.device)
         row_logits = logits[torch.tensor([row.logits_index for row in rows], device=self.device)]  # [count, V]
         self._record(row_logits, first_slot, mode)
+
+    def prefill_shape(self, groups: int, length: int) -> tuple[int, int]:
+        """The (groups, length) a prefill of `groups` prompts of at most `length` tokens runs at.
+        On a GPU both are rounded up to a few sizes, so that few graphs serve every prefill (with
+        or without graphs: the same shapes, so the same kernels and numbers); past
+        MAX_GRAPH_PREFILL_TOKENS the prefill runs as it is, its launches small beside its work."""
+        if self.device.type != "cuda":
+            return groups, length
+        padded_groups = 1 << max(0, groups - 1).bit_length()
+        padded_length = next(n for n in _prefill_lengths() if n >= length)
+        if padded_groups * padded_length > MAX_GRAPH_PREFILL_TOKENS or padded_length > self.decoder.rope.shape[0]:
+            return groups, length
+        return padded_groups, padded_length
+
+    def _prefill_logits(self, prompts: list[list[int]], blocks: list[list[int]]) -> torch.Tensor:
+        bs = self.cache.shape.block_size
+        groups, length = self.prefill_shape(len(prompts), max(len(p) for p in prompts))
+        width = -(-length // bs)
+        # Plain lists, one tensor each: a tensor op per prompt cost ~15 ms for 256 prompts.
+        # Padding groups are one token long and write to the trash block.
+        pad = groups - len(prompts)
+        tokens = torch.tensor([p + [0] * (length - len(p)) for p in prompts] + [[0] * length] * pad)  # [G, P]
+        lengths = torch.tensor([len(p) for p in prompts] + [1] * pad)
+        tables = torch.tensor([(table[: -(-len(p) // bs)] + [TRASH_BLOCK] * width)[:width]
+                               for p, table in zip(prompts, blocks)] + [[TRASH_BLOCK] * width] * pad,
+                              dtype=torch.int32)  # [G, P / block_size]
+        inputs = (tokens, lengths, tables)
+        graph = self._prefill_graphs.get((groups, length)) if self.use_graphs else None
+        if graph is None and not (self.use_graphs and groups * length <= MAX_GRAPH_PREFILL_TOKENS
+                                  and len(self._prefill_graphs) < MAX_PREFILL_GRAPHS):
+            return self._prefill_forward(*(t.to(self.device) for t in inputs))
+        if graph is None:
+            graph = self._prefill_graphs[(groups, length)] = self._capture_prefill(inputs)
+        else:
+            for static, given in zip(graph.inputs, inputs):
+                static.copy_(given)
+            graph.graph.replay()
+        return graph.logits
+
+    def _prefill_forward(self, tokens: torch.Tensor, lengths: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
+        """Logits [G, V] of right-padded prompts tokens [G, P], writing their keys and values to
+        the cache at their block tables [G, P / block_size] (padding positions: the trash block)."""
+        bs = self.cache.shape.block_size
+        position = torch.arange(tokens.shape[1], device=tokens.device)
+        slots = tables[:, position // bs].long() * bs + position % bs  # [G, P]
+        slots = torch.where(position[None, :] < lengths[:, None], slots, TRASH_BLOCK * bs + position % bs)
+        return self.decoder.prefill(tokens, lengths, slots)
 
     def decode(self, num_rows: int, num_steps: int, mode: StepMode) -> None:
         """`num_steps` decode steps of slots [0, num_rows) (rows that finish stop changing)."""
@@ -214,10 +272,32 @@ class ModelRunner:
         log.debug("captured the decode step for %d rows (%s)", batch, mode)
         return graph
 
+    def _capture_prefill(self, inputs: tuple[torch.Tensor, ...]) -> _PrefillGraph:
+        """Run the prefill of `inputs` once (warming it up; its cache writes are the real ones),
+        then capture it reading device copies of them, into the shared graph memory pool. The
+        logits a replay writes are read before any other graph replays, so the pool may hand
+        their memory to other graphs' scratch."""
+        static = tuple(t.to(self.device) for t in inputs)
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            logits = self._prefill_forward(*static)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            captured = self._prefill_forward(*static)
+        log.debug("captured the prefill of %d x %d tokens", *inputs[0].shape)
+        captured.copy_(logits)  # this call's logits, where every replay will write them
+        torch.cuda.current_stream(self.device).synchronize()  # before the warm-up's memory goes back to its stream
+        return _PrefillGraph(graph, static, captured)
+
     def drop_graphs(self) -> None:
         self._graphs.clear()
+        self._prefill_graphs.clear()
         self._pool = None
 
     @property
     def num_graphs(self) -> int:
-        return len(self._graphs)
+        return len(self._graphs) + len(self._prefill_graphs)
