@@ -46,52 +46,48 @@ def _add_rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_cols, str
 def _qk_rope_cache_kernel(q_ptr, k_ptr, v_ptr, qn_ptr, kn_ptr, table_ptr, pos_ptr, slot_ptr, kc_ptr, vc_ptr,
                           qo_ptr, stride_q, stride_k, stride_v, eps, NUM_HEADS: tl.constexpr,
                           NUM_KV_HEADS: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr,
-                          QK_NORM: tl.constexpr):
+                          QK_PAD: tl.constexpr, KV_PAD: tl.constexpr, QK_NORM: tl.constexpr):
+    """One program per token, all its heads at once: rows are q heads then k heads."""
     token = tl.program_id(0)
-    head = tl.program_id(1)  # q heads, then k heads, then v heads
-    d = tl.arange(0, HALF_PAD)
+    h = tl.arange(0, QK_PAD)[:, None]
+    d = tl.arange(0, HALF_PAD)[None, :]
     dm = d < HALF
     head_dim = 2 * HALF
+    is_q = h < NUM_HEADS
+    is_k = (h >= NUM_HEADS) & (h < NUM_HEADS + NUM_KV_HEADS)
     slot = tl.load(slot_ptr + token).to(tl.int64)
-    if head < NUM_HEADS + NUM_KV_HEADS:
-        is_q = head < NUM_HEADS
-        if is_q:
-            base = q_ptr + token * stride_q + head * head_dim
-        else:
-            base = k_ptr + token * stride_k + (head - NUM_HEADS) * head_dim
-        x1 = tl.load(base + d, mask=dm, other=0.0)
-        x2 = tl.load(base + HALF + d, mask=dm, other=0.0)
-        dtype = x1.dtype
-        if QK_NORM:
-            f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
-            rstd = 1.0 / tl.sqrt((tl.sum(f1 * f1, axis=0) + tl.sum(f2 * f2, axis=0)) / head_dim + eps)
-            if is_q:
-                w1 = tl.load(qn_ptr + d, mask=dm, other=0.0).to(tl.float32)
-                w2 = tl.load(qn_ptr + HALF + d, mask=dm, other=0.0).to(tl.float32)
-            else:
-                w1 = tl.load(kn_ptr + d, mask=dm, other=0.0).to(tl.float32)
-                w2 = tl.load(kn_ptr + HALF + d, mask=dm, other=0.0).to(tl.float32)
-            x1 = (w1 * (f1 * rstd).to(dtype).to(tl.float32)).to(dtype)
-            x2 = (w2 * (f2 * rstd).to(dtype).to(tl.float32)).to(dtype)
-        pos = tl.load(pos_ptr + token).to(tl.int64)
-        cos = tl.load(table_ptr + pos * head_dim + d, mask=dm, other=0.0).to(dtype).to(tl.float32)
-        sin = tl.load(table_ptr + pos * head_dim + HALF + d, mask=dm, other=0.0).to(dtype).to(tl.float32)
+    q_base = q_ptr + token * stride_q + h * head_dim
+    k_base = k_ptr + token * stride_k + (h - NUM_HEADS) * head_dim
+    x1 = tl.where(is_q, tl.load(q_base + d, mask=is_q & dm, other=0.0), tl.load(k_base + d, mask=is_k & dm, other=0.0))
+    x2 = tl.where(is_q, tl.load(q_base + HALF + d, mask=is_q & dm, other=0.0),
+                  tl.load(k_base + HALF + d, mask=is_k & dm, other=0.0))
+    dtype = x1.dtype
+    if QK_NORM:
         f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
-        # x * cos + rotate_half(x) * sin, rounded after each product and the sum as in bf16 torch
-        o1 = ((f1 * cos).to(dtype).to(tl.float32) + (-f2 * sin).to(dtype).to(tl.float32)).to(dtype)
-        o2 = ((f2 * cos).to(dtype).to(tl.float32) + (f1 * sin).to(dtype).to(tl.float32)).to(dtype)
-        if is_q:
-            out = qo_ptr + (token * NUM_HEADS + head) * head_dim
-        else:
-            out = kc_ptr + (slot * NUM_KV_HEADS + head - NUM_HEADS) * head_dim
-        tl.store(out + d, o1, mask=dm)
-        tl.store(out + HALF + d, o2, mask=dm)
-    else:
-        kv_head = head - NUM_HEADS - NUM_KV_HEADS
-        src = v_ptr + token * stride_v + kv_head * head_dim
-        dst = vc_ptr + (slot * NUM_KV_HEADS + kv_head) * head_dim
-        tl.store(dst + d, tl.load(src + d, mask=dm), mask=dm)
-        tl.store(dst + HALF + d, tl.load(src + HALF + d, mask=dm), mask=dm)
+        rstd = 1.0 / tl.sqrt((tl.sum(f1 * f1, axis=1) + tl.sum(f2 * f2, axis=1)) / head_dim + eps)[:, None]
+        w1 = tl.where(is_q, tl.load(qn_ptr + d, mask=dm, other=0.0), tl.load(kn_ptr + d, mask=dm, other=0.0))
+        w2 = tl.where(is_q, tl.load(qn_ptr + HALF + d, mask=dm, other=0.0), tl.load(kn_ptr + HALF + d, mask=dm, other=0.0))
+        x1 = (w1.to(tl.float32) * (f1 * rstd).to(dtype).to(tl.float32)).to(dtype)
+        x2 = (w2.to(tl.float32) * (f2 * rstd).to(dtype).to(tl.float32)).to(dtype)
+    pos = tl.load(pos_ptr + token).to(tl.int64)
+    cos = tl.load(table_ptr + pos * head_dim + d, mask=dm, other=0.0).to(dtype).to(tl.float32)
+    sin = tl.load(table_ptr + pos * head_dim + HALF + d, mask=dm, other=0.0).to(dtype).to(tl.float32)
+    f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
+    # x * cos + rotate_half(x) * sin, rounded after each product and the sum as in bf16 torch
+    o1 = ((f1 * cos).to(dtype).to(tl.float32) + (-f2 * sin).to(dtype).to(tl.float32)).to(dtype)
+    o2 = ((f2 * cos).to(dtype).to(tl.float32) + (f1 * sin).to(dtype).to(tl.float32)).to(dtype)
+    q_out = qo_ptr + (token * NUM_HEADS + h) * head_dim
+    k_out = kc_ptr + (slot * NUM_KV_HEADS + h - NUM_HEADS) * head_dim
+    tl.store(q_out + d, o1, mask=is_q & dm)
+    tl.store(q_out + HALF + d, o2, mask=is_q & dm)
+    tl.store(k_out + d, o1, mask=is_k & dm)
+    tl.store(k_out + HALF + d, o2, mask=is_k & dm)
+    kv = tl.arange(0, KV_PAD)[:, None]
+    vm = (kv < NUM_KV_HEADS) & dm
+    src = v_ptr + token * stride_v + kv * head_dim
+    dst = vc_ptr + (slot * NUM_KV_HEADS + kv) * head_dim
+    tl.store(dst + d, tl.load(src + d, mask=vm), mask=vm)
+    tl.store(dst + HALF + d, tl.load(src + HALF + d, mask=vm), mask=vm)
 
 
 @triton.jit
@@ -320,10 +316,12 @@ class TritonOps(TorchOps):
         num_heads = q.shape[1] // head_dim
         q_out = torch.empty(tokens, num_heads, head_dim, dtype=q.dtype, device=q.device)
         norm = q_norm is not None
-        _qk_rope_cache_kernel[(tokens, num_heads + 2 * num_kv_heads)](
+        _qk_rope_cache_kernel[(tokens,)](
             q, k, v, q_norm if norm else q, k_norm if norm else q, table, positions, slots, k_cache, v_cache, q_out,
             q.stride(0), k.stride(0), v.stride(0), eps, NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads,
-            HALF=head_dim // 2, HALF_PAD=triton.next_power_of_2(head_dim // 2), QK_NORM=norm, num_warps=1)
+            HALF=head_dim // 2, HALF_PAD=triton.next_power_of_2(head_dim // 2),
+            QK_PAD=triton.next_power_of_2(num_heads + num_kv_heads), KV_PAD=triton.next_power_of_2(num_kv_heads),
+            QK_NORM=norm, num_warps=4)
         return q_out
 
     def __init__(self):
@@ -386,8 +384,9 @@ class TritonOps(TorchOps):
         batch, vocab = logits.shape
         device = logits.device
         block = 1024
-        # enough programs to fill the GPU: a row's vocabulary in chunks when the batch is small
-        chunks = max(1, min(64, triton.cdiv(vocab, 8 * block), -(-2 * devices.sm_count(device) // batch)))
+        # Programs enough to hide latency: each walks its chunk block by block, so 2 per SM's
+        # worth (256 rows in 2 chunks) took 190 us, 9x the time of the logits' bytes.
+        chunks = max(1, min(64, triton.cdiv(vocab, 8 * block), -(-16 * devices.sm_count(device) // batch)))
         chunk = triton.cdiv(triton.cdiv(vocab, chunks), block) * block
         chunks = triton.cdiv(vocab, chunk)
         part = torch.empty(batch, chunks, 3, dtype=torch.float32, device=device)
