@@ -23,6 +23,7 @@ for stage in "$@"; do
     service-tests) timeout 300 python3 -m pytest -q --timeout 240 -rA tests/gpu/test_never_mixed_gpu.py tests/gpu/test_seed_scenario_gpu.py 2>&1 | tee "$OUT/service-tests.log" | grep -E "^step|PASS|FAIL|passed|failed|^E " | tail -30 ;;
     gpu-tests) timeout 480 python3 -m pytest -q --timeout 240 -rA tests/gpu 2>&1 | tee "$OUT/gpu-tests.log" | grep -E "PASS|FAIL|ERROR|passed|failed|^E " | tail -60 ;;
     sweep) timeout 300 python3 bench/rollout.py --device cuda --parts sweep --out "$OUT/rollout.jsonl" --png "$OUT/rollout.png" ;;
+    kernels) timeout 300 python3 bench/decode_kernels.py --out "$OUT/decode_kernels.jsonl" 2>&1 | tee "$OUT/decode_kernels.log" | grep "^#" ;;
     sweep-quick) timeout 200 python3 bench/rollout.py --device cuda --parts sweep --repeats 1 --no-profile --out "$OUT/rollout.jsonl" ;;
     rl) timeout 300 python3 bench/rollout.py --device cuda --parts rl --out "$OUT/rollout.jsonl" ;;
     gap) timeout 120 python3 bench/rollout.py --device cuda --parts gap --out "$OUT/rollout.jsonl" ;;
