@@ -205,12 +205,23 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+def _embedding(num: int, dim: int) -> nn.Embedding:
+    """nn.Embedding, initialised as it initialises itself (normal), except on the meta device:
+    there `normal_` is a Python decomposition whose first use imports sympy, 1.4-1.9 s of every
+    process's first model load (checkpoints are loaded through a meta-device model)."""
+    embedding = nn.Embedding(num, dim, _weight=torch.empty(num, dim))
+    if not embedding.weight.is_meta:
+        with torch.no_grad():
+            nn.init.normal_(embedding.weight)
+    return embedding
+
+
 class DecoderBody(nn.Module):
     """Embeddings, layers and final norm: the `model.` prefix of the HF parameter names."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = _embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
