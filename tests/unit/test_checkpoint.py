@@ -224,3 +224,15 @@ def test_init_weights_is_seeded():
     assert torch.all(a.model.layers[0].self_attn.q_proj.bias == 0)
     std = a.model.layers[0].mlp.up_proj.weight.std().item()
     assert 0.015 < std < 0.025
+
+
+def test_a_process_loads_a_checkpoint_without_importing_sympy(tiny_model_dir):
+    """Loading goes through a meta-device model; a `normal_` there once imported sympy (and
+    dynamo's symbolic shapes), 1.4-1.9 s of every engine's and trainer's first Configure."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from services.models import load_hf_dir; "
+            f"load_hf_dir({str(tiny_model_dir)!r}); print('sympy' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "False", out.stderr
