@@ -80,9 +80,11 @@ class PagedDecoder:
         hidden = self._layers(tokens, positions, slots, attend, self.ops)  # [b, hidden]
         return F.linear(hidden, self.model.output_weight)
 
-    def prefill(self, tokens: torch.Tensor, lengths: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    def prefill(self, tokens: torch.Tensor, lengths: torch.Tensor, slots: torch.Tensor,
+                out: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [G, V] at the last real token of each right-padded prompt (tokens [G, P],
-        lengths [G]), after writing every prompt token's key and value to cache slots [G, P]."""
+        lengths [G]), after writing every prompt token's key and value to cache slots [G, P];
+        written into `out` [G, V] if given."""
         groups, length = tokens.shape
         positions = torch.arange(length, device=tokens.device).expand(groups, length).reshape(-1)
 
@@ -98,7 +100,9 @@ class PagedDecoder:
 
         hidden = self._layers(tokens.reshape(-1), positions, slots.reshape(-1), attend, self.ops)  # [G*P, hidden]
         last = hidden.view(groups, length, -1)[torch.arange(groups, device=tokens.device), lengths - 1]
-        return F.linear(last, self.model.output_weight)
+        if out is None:
+            return F.linear(last, self.model.output_weight)
+        return torch.mm(last, self.model.output_weight.t(), out=out)
 
     def _layers(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, attend, ops) -> torch.Tensor:
         eps = self.eps

@@ -47,7 +47,7 @@ class StepMode:
 
 
 MAX_GRAPH_PREFILL_TOKENS = 16384  # padded groups x length of the largest prefill run as a graph
-MAX_PREFILL_GRAPHS = 48  # shapes captured at most (each keeps its logits); others run eagerly
+MAX_PREFILL_GRAPHS = 48  # shapes captured at most (each holds its inputs, a few KB); others run eagerly
 
 
 def _prefill_lengths() -> list[int]:
@@ -59,7 +59,7 @@ def _prefill_lengths() -> list[int]:
 class _PrefillGraph:
     graph: torch.cuda.CUDAGraph
     inputs: tuple[torch.Tensor, ...]  # tokens, lengths, tables: a replay reads what was copied here
-    logits: torch.Tensor  # [G, V], written by every replay
+    logits: torch.Tensor  # [G, V] of the prefill logits buffer, written by every replay
 
 
 @dataclass
@@ -83,6 +83,7 @@ class ModelRunner:
         self.rows: RowState
         self._graphs: dict[tuple[int, StepMode], torch.cuda.CUDAGraph] = {}
         self._prefill_graphs: dict[tuple[int, int], _PrefillGraph] = {}
+        self._logits: torch.Tensor | None = None  # prefill logits [rows, V] (`_prefill_out`)
         self._pool = None
         self._alloc_state()
 
@@ -170,7 +171,17 @@ class ModelRunner:
         position = torch.arange(tokens.shape[1], device=tokens.device)
         slots = tables[:, position // bs].long() * bs + position % bs  # [G, P]
         slots = torch.where(position[None, :] < lengths[:, None], slots, TRASH_BLOCK * bs + position % bs)
-        return self.decoder.prefill(tokens, lengths, slots)
+        out = self._prefill_out(tokens.shape[0]) if self.device.type == "cuda" else None
+        return self.decoder.prefill(tokens, lengths, slots, out=out)
+
+    def _prefill_out(self, groups: int) -> torch.Tensor:
+        """[groups, V] of the one buffer every GPU prefill writes its logits to, graph or not
+        (the same product either way): graphs then keep no logits of their own."""
+        if self._logits is None or self._logits.shape[0] < groups:
+            rows = max(groups, 1 << max(0, self.capacity - 1).bit_length())
+            weight = self.decoder.model.output_weight
+            self._logits = torch.empty(rows, self.vocab_size, dtype=weight.dtype, device=self.device)
+        return self._logits[:groups]
 
     def decode(self, num_rows: int, num_steps: int, mode: StepMode) -> None:
         """`num_steps` decode steps of slots [0, num_rows) (rows that finish stop changing)."""
@@ -273,25 +284,25 @@ class ModelRunner:
         return graph
 
     def _capture_prefill(self, inputs: tuple[torch.Tensor, ...]) -> _PrefillGraph:
-        """Run the prefill of `inputs` once (warming it up; its cache writes are the real ones),
-        then capture it reading device copies of them, into the shared graph memory pool. The
-        logits a replay writes are read before any other graph replays, so the pool may hand
-        their memory to other graphs' scratch."""
+        """Run the prefill of `inputs` once (warming it up; its cache writes and logits are this
+        call's), then capture it reading device copies of them, into the shared graph memory
+        pool. Its logits go to the prefill logits buffer, outside the pool, read before the next
+        prefill writes there."""
         static = tuple(t.to(self.device) for t in inputs)
+        self._prefill_out(static[0].shape[0])  # made here, on this stream, never while capturing
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
-            logits = self._prefill_forward(*static)
+            self._prefill_forward(*static)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
-            captured = self._prefill_forward(*static)
+            logits = self._prefill_forward(*static)
         log.debug("captured the prefill of %d x %d tokens", *inputs[0].shape)
-        captured.copy_(logits)  # this call's logits, where every replay will write them
         torch.cuda.current_stream(self.device).synchronize()  # before the warm-up's memory goes back to its stream
-        return _PrefillGraph(graph, static, captured)
+        return _PrefillGraph(graph, static, logits)
 
     def drop_graphs(self) -> None:
         self._graphs.clear()
