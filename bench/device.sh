@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device-machine session: install the carried wheels, then run the stages named in $@
-# (gpu-tests, engine-tests, sweep, rl, gap), each under its own time limit, logs and results in $OUT.
+# (gpu-tests-a and -b, engine-tests, kernels, sweep, rl, gap, ...), each under its own time limit, logs and results in $OUT.
 #   bash bench/device.sh engine-tests sweep
 # Stage sglang reads SGLang's contract from a slice of the pinned wheel, carried as .whl-sglang/*.zip:
 #   (cd $(mktemp -d) && unzip -q ~/.cache/rlfleet/sglang-0.5.23/*.whl 'sglang/api/*' 'sglang/srt/*' &&
@@ -21,7 +21,9 @@ for stage in "$@"; do
     sglang) RLFLEET_SGLANG_WHEEL=$(ls $PWD/.whl-sglang/*.zip 2>/dev/null | head -1) timeout 300 python3 -m pytest -q --timeout 240 -rA -s tests/gpu/test_sglang_ipc_gpu.py 2>&1 | tee "$OUT/sglang-gpu.log" | grep -E "^sglang|PASS|FAIL|ERROR|passed|failed|^E " | tail -30 ;;
     lifecycle) timeout 120 python3 -m pytest -q --timeout 100 tests/gpu/test_lifecycle_gpu.py 2>&1 | tail -5 ;;
     service-tests) timeout 300 python3 -m pytest -q --timeout 240 -rA tests/gpu/test_never_mixed_gpu.py tests/gpu/test_seed_scenario_gpu.py 2>&1 | tee "$OUT/service-tests.log" | grep -E "^step|PASS|FAIL|passed|failed|^E " | tail -30 ;;
-    gpu-tests) timeout 480 python3 -m pytest -q --timeout 240 -rA tests/gpu 2>&1 | tee "$OUT/gpu-tests.log" | grep -E "PASS|FAIL|ERROR|passed|failed|^E " | tail -60 ;;
+    # The whole GPU suite takes longer than one device call (600 s): run it in two calls.
+    gpu-tests-a) timeout 560 python3 -m pytest -q --timeout 240 -rA tests/gpu/test_[c-m]*.py 2>&1 | tee "$OUT/gpu-tests-a.log" | grep -E "PASS|FAIL|ERROR|passed|failed|^E " | tail -60 ;;
+    gpu-tests-b) timeout 560 python3 -m pytest -q --timeout 240 -rA tests/gpu/test_[n-z]*.py 2>&1 | tee "$OUT/gpu-tests-b.log" | grep -E "PASS|FAIL|ERROR|passed|failed|^E " | tail -60 ;;
     sweep) timeout 300 python3 bench/rollout.py --device cuda --parts sweep --out "$OUT/rollout.jsonl" --png "$OUT/rollout.png" ;;
     kernels) timeout 300 python3 bench/decode_kernels.py --out "$OUT/decode_kernels.jsonl" 2>&1 | tee "$OUT/decode_kernels.log" | grep "^#" ;;
     sweep-quick) timeout 200 python3 bench/rollout.py --device cuda --parts sweep --repeats 1 --no-profile --out "$OUT/rollout.jsonl" ;;
