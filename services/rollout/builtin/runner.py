@@ -50,9 +50,8 @@ MAX_GRAPH_PREFILL_TOKENS = 16384  # padded groups x length of the largest prefil
 MAX_PREFILL_GRAPHS = 48  # shapes captured at most (each holds its inputs, a few KB); others run eagerly
 
 
-def _prefill_lengths() -> list[int]:
-    """Prompt lengths a GPU prefill is padded to: 16, 32, 48, 64, 96, 128, 192, ... (2^k and 3 * 2^k)."""
-    return sorted({m << k for k in range(4, 24) for m in (1, 3) if (m << k) >= 16})
+# Prompt lengths a GPU prefill is padded to: 16, 32, 48, 64, 96, 128, 192, ... (2^k and 3 * 2^k).
+_PREFILL_LENGTHS = tuple(sorted({m << k for k in range(4, 24) for m in (1, 3)}))
 
 
 @dataclass
@@ -134,7 +133,7 @@ class ModelRunner:
         if self.device.type != "cuda":
             return groups, length
         padded_groups = 1 << max(0, groups - 1).bit_length()
-        padded_length = next(n for n in _prefill_lengths() if n >= length)
+        padded_length = next((n for n in _PREFILL_LENGTHS if n >= length), length)
         if padded_groups * padded_length > MAX_GRAPH_PREFILL_TOKENS or padded_length > self.decoder.rope.shape[0]:
             return groups, length
         return padded_groups, padded_length
