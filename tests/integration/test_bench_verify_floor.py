@@ -18,7 +18,9 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_the_cpu_floors_print_one_line_per_plane_each_no_faster_than_its_limit(tmp_path):
     out = tmp_path / "floor.jsonl"
     done = subprocess.run(
-        [sys.executable, "bench/verify_floor.py", "--json", "--mb", "48", "--repeats", "2", "--out", str(out)],
+        # Five repeats: the median of two let one slow bare transfer (3x its usual time on a busy
+        # 2-core box) put the floor at 1.8x the limit.
+        [sys.executable, "bench/verify_floor.py", "--json", "--mb", "48", "--repeats", "5", "--out", str(out)],
         cwd=ROOT, capture_output=True, text=True, timeout=180,
     )
     assert done.returncode == 0, done.stderr[-2000:]
