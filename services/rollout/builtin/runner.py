@@ -54,6 +54,12 @@ MAX_PREFILL_GRAPHS = 48  # shapes captured at most (each holds its inputs, a few
 _PREFILL_LENGTHS = tuple(sorted({m << k for k in range(4, 24) for m in (1, 3)}))
 
 
+def _bucketed(groups: int, length: int) -> bool:
+    """A padded prefill shape (a power of two of prompts, a length of `_PREFILL_LENGTHS`) within
+    the graph token budget: the shapes prefills are padded to, and the only ones captured."""
+    return groups & (groups - 1) == 0 and length in _PREFILL_LENGTHS and groups * length <= MAX_GRAPH_PREFILL_TOKENS
+
+
 @dataclass
 class _PrefillGraph:
     graph: torch.cuda.CUDAGraph
@@ -134,7 +140,7 @@ class ModelRunner:
             return groups, length
         padded_groups = 1 << max(0, groups - 1).bit_length()
         padded_length = next((n for n in _PREFILL_LENGTHS if n >= length), length)
-        if padded_groups * padded_length > MAX_GRAPH_PREFILL_TOKENS or padded_length > self.decoder.rope.shape[0]:
+        if not _bucketed(padded_groups, padded_length) or padded_length > self.decoder.rope.shape[0]:
             return groups, length
         return padded_groups, padded_length
 
@@ -151,17 +157,16 @@ class ModelRunner:
                                for p, table in zip(prompts, blocks)] + [[TRASH_BLOCK] * width] * pad,
                               dtype=torch.int32)  # [G, P / block_size]
         inputs = (tokens, lengths, tables)
-        graph = self._prefill_graphs.get((groups, length)) if self.use_graphs else None
-        if graph is None and not (self.use_graphs and groups * length <= MAX_GRAPH_PREFILL_TOKENS
-                                  and len(self._prefill_graphs) < MAX_PREFILL_GRAPHS):
-            return self._prefill_forward(*(t.to(self.device) for t in inputs))
-        if graph is None:
-            graph = self._prefill_graphs[(groups, length)] = self._capture_prefill(inputs)
-        else:
+        graph = self._prefill_graphs.get((groups, length))
+        if self.use_graphs and graph is not None:
             for static, given in zip(graph.inputs, inputs):
                 static.copy_(given)
             graph.graph.replay()
-        return graph.logits
+            return graph.logits
+        if self.use_graphs and _bucketed(groups, length) and len(self._prefill_graphs) < MAX_PREFILL_GRAPHS:
+            self._prefill_graphs[(groups, length)] = graph = self._capture_prefill(inputs)
+            return graph.logits
+        return self._prefill_forward(*(t.to(self.device) for t in inputs))
 
     def _prefill_forward(self, tokens: torch.Tensor, lengths: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
         """Logits [G, V] of right-padded prompts tokens [G, P], writing their keys and values to
@@ -300,7 +305,6 @@ class ModelRunner:
         with torch.cuda.graph(graph, pool=self._pool):
             logits = self._prefill_forward(*static)
         log.debug("captured the prefill of %d x %d tokens", *inputs[0].shape)
-        torch.cuda.current_stream(self.device).synchronize()  # before the warm-up's memory goes back to its stream
         return _PrefillGraph(graph, static, logits)
 
     def drop_graphs(self) -> None:
