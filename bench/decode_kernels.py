@@ -74,8 +74,6 @@ def profile_step(shape: str, batch: int, bandwidth: float) -> dict:
     busy_us = sum(r["us"] for r in rows)
     mean_context = PROMPT + STEPS / 2
     step_bytes = weight_bytes(model) + batch * mean_context * kv_bytes_per_token(model)
-    del core, model
-    torch.cuda.empty_cache()
     return _stamp({
         "bench": "decode_kernels", "shape": shape, "batch": batch,
         "step_us": round(1e6 * step_s, 1), "kernels_us": round(busy_us, 1), "gaps_us": round(1e6 * step_s - busy_us, 1),
@@ -84,7 +82,6 @@ def profile_step(shape: str, batch: int, bandwidth: float) -> dict:
         "prefill_call_us": round(1e6 * prefill_s, 1), "prefill_kernels_us": round(sum(r["us"] for r in prefill), 1),
         "prefill_top": prefill[:12],
     })
-
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -98,6 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     for shape in args.shapes.split(","):
         for batch in (int(b) for b in args.batches.split(",")):
             line = profile_step(shape, batch, bandwidth)
+            torch.cuda.empty_cache()  # the step's model and KV pool went with profile_step's frame
             emit(line, args.out)
             print(f"# {shape} b{batch}: step {line['step_us']} us, kernels {line['kernels_us']} us, "
                   f"roofline {line['roofline_us']} us; prefill call {line['prefill_call_us']} us, "
