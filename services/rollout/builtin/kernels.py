@@ -186,10 +186,30 @@ def _silu_mul_kernel(gate_ptr, up_ptr, out_ptr, n_cols, stride_gate, stride_up, 
 
 @triton.jit
 def _hash32(x):
-    """`sampling.hash32`, in int64 with the same masks (so both give the same bits)."""
-    x = (((x >> 16) ^ x) * 0x45D9F3B) & 0xFFFFFFFF
-    x = (((x >> 16) ^ x) * 0x45D9F3B) & 0xFFFFFFFF
+    """`sampling.hash32` in uint32: products wrap at 2**32, as the reference's masks make them."""
+    x = ((x >> 16) ^ x) * 0x45D9F3B
+    x = ((x >> 16) ^ x) * 0x45D9F3B
     return (x >> 16) ^ x
+
+
+@triton.jit
+def _fast_log2(x):
+    """log2 of a positive float32 on the special-function unit (lg2.approx: absolute error
+    ~2**-22.6 on the result), where libdevice's exact logarithm costs ~20 instructions."""
+    return tl.inline_asm_elementwise("lg2.approx.ftz.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True,
+                                     pack=1)
+
+
+@triton.jit
+def _neg_log_uniform(top):
+    """-ln u for u = (top + 1/2) / 2**24, to a relative ~1e-6 everywhere. The largest noise comes
+    from u near 1, where -ln u is small and an approximate log2 of u would be all error: there
+    it is the series of w = 1 - u (exact in float32) to w**7, past u = 7/8 an approximate log2."""
+    LN2: tl.constexpr = 0.6931471805599453
+    u = (top.to(tl.float32) + 0.5) * (1.0 / 16777216.0)
+    w = ((0xFFFFFF - top).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
+    series = w * (1.0 + w * (1.0 / 2 + w * (1.0 / 3 + w * (1.0 / 4 + w * (1.0 / 5 + w * (1.0 / 6 + w * (1.0 / 7)))))))
+    return tl.where(w < 0.125, series, -_fast_log2(u) * LN2)
 
 
 @triton.jit
@@ -197,13 +217,24 @@ def _sample_chunk_kernel(logits_ptr, scores_ptr, keys_ptr, steps_ptr, inv_temp_p
                          chunk, stride_logits, stride_scores, NUM_CHUNKS: tl.constexpr, GREEDY: tl.constexpr,
                          SCALE_SCORES: tl.constexpr, BLOCK_V: tl.constexpr):
     """One vocabulary chunk of one row: its max and exp-sum of the raw logits, and its best
-    (noised) score and token. Chunks let a small batch spread one row over many programs."""
+    (noised) score and token. Chunks let a small batch spread one row over many programs.
+
+    A large batch is bound by instructions, not by the logits' bytes, so each token costs one
+    exp and the noise's two logarithms, one of them approximate:
+    - logsumexp keeps a running max per lane, and one exp2(-|x - m|) serves both cases (x above
+      the max: rescale the sum; x below: add to it);
+    - the draw compares (score + g) * log2(e), which orders tokens as score + g does, with
+      g * log2(e) = -log2(-ln u) - log2(ln 2); the constant is dropped. Both logarithms are
+      approximate (`_neg_log_uniform`), to ~2e-6 on g: a draw differs from the reference's
+      only where two noised scores tie to that.
+    """
+    LOG2E: tl.constexpr = 1.4426950408889634
     row = tl.program_id(0)
     c = tl.program_id(1)
     cols = tl.arange(0, BLOCK_V)
-    key = tl.load(keys_ptr + row).to(tl.int64)
-    step = tl.load(steps_ptr + row).to(tl.int64)
-    step_key = _hash32((key + step * 0x9E3779B9) & 0xFFFFFFFF)
+    key = tl.load(keys_ptr + row).to(tl.uint32)
+    step = tl.load(steps_ptr + row).to(tl.uint32)
+    step_key = _hash32(key + step * 0x9E3779B9)
     inv_temp = tl.load(inv_temp_ptr)
     m = tl.full((BLOCK_V,), float("-inf"), tl.float32)  # per lane: running max and exp-sum (logsumexp)
     total = tl.zeros((BLOCK_V,), tl.float32)
@@ -215,19 +246,17 @@ def _sample_chunk_kernel(logits_ptr, scores_ptr, keys_ptr, steps_ptr, inv_temp_p
         v = first + cols
         ok = v < end
         x = tl.load(logits_ptr + row * stride_logits + v, mask=ok, other=float("-inf")).to(tl.float32)
-        m_new = tl.maximum(m, x)
-        seen = m_new > float("-inf")  # a lane may see no logit at all
-        total = tl.where(seen, total * tl.exp(m - m_new) + tl.where(ok, tl.exp(x - m_new), 0.0), 0.0)
-        m = m_new
+        e = tl.exp2(-tl.abs(x - m) * LOG2E)
+        total = tl.where(x > m, total * e + 1.0, tl.where(x > float("-inf"), total + e, total))
+        m = tl.maximum(m, x)
         if GREEDY:
             score = x
         else:
             score = tl.load(scores_ptr + row * stride_scores + v, mask=ok, other=float("-inf")).to(tl.float32)
             if SCALE_SCORES:
                 score = score * inv_temp
-            bits = _hash32((step_key + v.to(tl.int64) * 0x2545F491) & 0xFFFFFFFF)
-            u = ((bits >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
-            score = tl.where(ok, score - tl.log(-tl.log(u)), float("-inf"))
+            top = _hash32(step_key + v.to(tl.uint32) * 0x2545F491) >> 8  # 24 bits: u = (top + 1/2) / 2**24
+            score = tl.where(ok, score * LOG2E - _fast_log2(_neg_log_uniform(top)), float("-inf"))
         better = score > best  # strictly: the lowest token id wins a tie, as argmax does
         best = tl.where(better, score, best)
         best_tok = tl.where(better, v, best_tok)
