@@ -80,9 +80,9 @@ class TorchOps:
         """Causal attention of right-padded prompts: q [G, P, H, D], k, v [G, P, Hkv, D] -> [G, P, H*D].
         Padding sits after every real token, so plain causal attention is exact for real tokens."""
         groups, length, num_heads, head_dim = q.shape
-        if q.device.type == "cuda" and num_heads != k.shape[2]:  # whole heads, so the flash kernel takes them
-            k = k.repeat_interleave(num_heads // k.shape[2], dim=2)
-            v = v.repeat_interleave(num_heads // v.shape[2], dim=2)
+        # Key/value heads as they are, shared by their query groups: on an H200 (torch 2.11) the
+        # fused kernel takes them so, and gives the same numbers as on heads repeated to match,
+        # in 43% of the time (77 against 179 us a layer at 256 x 64 tokens of the 1.5B shape).
         out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
                                              enable_gqa=num_heads != k.shape[2])  # [G, H, P, D]
         return out.transpose(1, 2).reshape(groups, length, num_heads * head_dim)
