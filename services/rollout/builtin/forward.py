@@ -106,7 +106,9 @@ class PagedDecoder:
 
     def _layers(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, attend, ops) -> torch.Tensor:
         eps = self.eps
-        x = F.embedding(tokens, self.model.model.embed_tokens.weight)  # [T, hidden]
+        # Row indexing, not F.embedding: the same rows, and on a GPU one gather kernel at every
+        # batch (F.embedding of 16 tokens takes a small-index kernel: 7.5 against 1.5 us).
+        x = self.model.model.embed_tokens.weight[tokens]  # [T, hidden]
         residual = None
         for index, layer in enumerate(self.model.model.layers):
             attn, mlp = layer.self_attn, layer.mlp
