@@ -80,9 +80,24 @@ def test_a_cancelled_call_stops_and_gives_every_block_back():
         return len(polls) > 4
 
     with pytest.raises(GenerationCancelled):
-        core.generate(_prompts() * 3, Sampling(max_new_tokens=40, ignore_eos=True, seed=0), cancelled)
+        core.generate(_prompts() * 6, Sampling(max_new_tokens=40, ignore_eos=True, seed=0), cancelled)
     assert len(polls) == 5 and _free_blocks_all_back(core)
     assert len(core.generate(_prompts(), Sampling(max_new_tokens=3, seed=0))) == 4  # usable after
+
+
+def test_with_nothing_to_stop_on_the_host_looks_only_when_a_row_reaches_its_limit():
+    """Each host check is a device sync; rows that can only end at max_new_tokens need none
+    before the first gets there. The tokens are those of a call that looks after every step."""
+    model = _model()
+    prompts = _prompts()
+    plain = Sampling(temperature=1.0, max_new_tokens=30, seed=4, ignore_eos=True)
+    core = _core(model, max_batch_size=2, check_every=1)
+    quiet = core.generate(prompts, plain)
+    assert core.scheduler.last_stats.rounds == len(prompts) // 2  # one round per pair of rows
+    checked = core.generate(prompts, Sampling(**{**plain.__dict__, "stop": ("never said",)}))
+    assert core.scheduler.last_stats.rounds >= 29 * len(prompts) // 2
+    assert [r.output_ids for r in quiet] == [r.output_ids for r in checked]
+    assert [r.finish_reason for r in quiet] == ["length"] * len(prompts)
 
 
 @pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 0, 1.0), (1.0, 3, 1.0), (1.0, 0, 0.8)])
@@ -142,3 +157,16 @@ def test_a_prefill_padded_to_its_gpu_shape_gives_the_same_logits_and_cache(monke
     written = sum(len(p) for p in prompts)
     assert int((plain_cache[0, 0, real].abs().sum(dim=(-1, -2)) != 0).sum()) == written  # one row per token
     assert bs * len(real) >= written
+
+
+def test_padded_host_tensors_hold_the_rows_and_their_fill():
+    from services.rollout.builtin.runner import padded
+
+    rows = [[5, 6, 7], [], [2**40]]
+    assert torch.equal(padded(rows, 4, -1, torch.int64), torch.tensor([[5, 6, 7, -1], [-1] * 4, [2**40, -1, -1, -1]]))
+    assert padded([[1, 2]], 2, 0, torch.int32).dtype == torch.int32
+    assert padded([], 3, 0, torch.int32).shape == (0, 3)
+    with pytest.raises(ValueError, match="a row of 3 values does not fit in 2"):
+        padded([[1, 2, 3]], 2, 0, torch.int32)
+    with pytest.raises(OverflowError):  # an int32 table never wraps a block id silently
+        padded([[2**31]], 1, 0, torch.int32)

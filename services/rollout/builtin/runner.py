@@ -21,6 +21,7 @@ updates copy into them), and `drop_graphs` forgets the graphs when memory is rel
 
 from __future__ import annotations
 
+import array
 import logging
 from dataclasses import dataclass
 
@@ -58,6 +59,24 @@ def _bucketed(groups: int, length: int) -> bool:
     """A padded prefill shape (a power of two of prompts, a length of `_PREFILL_LENGTHS`) within
     the graph token budget: the shapes prefills are padded to, and the only ones captured."""
     return groups & (groups - 1) == 0 and length in _PREFILL_LENGTHS and groups * length <= MAX_GRAPH_PREFILL_TOKENS
+
+
+_TYPECODES = {torch.int64: "q", torch.int32: "i"}
+
+
+def padded(rows: list[list[int]], width: int, fill: int, dtype: torch.dtype) -> torch.Tensor:
+    """A CPU tensor [len(rows), width] of `rows` right-padded with `fill`. Built in an array, not
+    by torch.tensor of nested lists, which takes ~100 ns an element: 4.8 against 0.1 ms for 256
+    block tables, 2.3 against 0.4 ms for 256 prompts of 64 tokens, host time before a prefill."""
+    code = _TYPECODES[dtype]
+    flat = array.array(code, [fill]) * (len(rows) * width)
+    if not flat:
+        return torch.empty(len(rows), width, dtype=dtype)
+    for i, row in enumerate(rows):
+        if len(row) > width:
+            raise ValueError(f"padded: a row of {len(row)} values does not fit in {width}")
+        flat[i * width : i * width + len(row)] = array.array(code, row)
+    return torch.frombuffer(flat, dtype=dtype).view(len(rows), width)
 
 
 @dataclass
@@ -119,8 +138,7 @@ class ModelRunner:
 
         count = len(rows)
         slot = slice(first_slot, first_slot + count)
-        table = torch.tensor([row.block_table + [TRASH_BLOCK] * (self.max_blocks - len(row.block_table)) for row in rows],
-                             dtype=torch.int32)
+        table = padded([row.block_table for row in rows], self.max_blocks, TRASH_BLOCK, torch.int32)
         state = self.rows
         state.block_tables[slot] = table.to(self.device)
         state.keys[slot] = torch.tensor([row.key for row in rows], device=self.device)
@@ -148,14 +166,13 @@ class ModelRunner:
         bs = self.cache.shape.block_size
         groups, length = self.prefill_shape(len(prompts), max(len(p) for p in prompts))
         width = -(-length // bs)
-        # Plain lists, one tensor each: a tensor op per prompt cost ~15 ms for 256 prompts.
+        # One tensor each, never a tensor op per prompt (that cost ~15 ms for 256 prompts).
         # Padding groups are one token long and write to the trash block.
         pad = groups - len(prompts)
-        tokens = torch.tensor([p + [0] * (length - len(p)) for p in prompts] + [[0] * length] * pad)  # [G, P]
+        tokens = padded(prompts + [[]] * pad, length, 0, torch.int64)  # [G, P]
         lengths = torch.tensor([len(p) for p in prompts] + [1] * pad)
-        tables = torch.tensor([(table[: -(-len(p) // bs)] + [TRASH_BLOCK] * width)[:width]
-                               for p, table in zip(prompts, blocks)] + [[TRASH_BLOCK] * width] * pad,
-                              dtype=torch.int32)  # [G, P / block_size]
+        tables = padded([table[: -(-len(p) // bs)] for p, table in zip(prompts, blocks)] + [[]] * pad, width,
+                        TRASH_BLOCK, torch.int32)  # [G, P / block_size]
         inputs = (tokens, lengths, tables)
         graph = self._prefill_graphs.get((groups, length))
         if self.use_graphs and graph is not None:

@@ -27,6 +27,9 @@ from services.rollout.builtin.runner import ModelRunner, NewRow, StepMode
 from services.rollout.types import Generation, Sampling
 
 
+MAX_UNCHECKED_STEPS = 64  # decode steps between host checks at most, when rows cannot stop early
+
+
 class GenerationCancelled(RuntimeError):
     """The caller gave up (its RPC was cancelled or ran past its deadline)."""
 
@@ -81,6 +84,7 @@ class Scheduler:
         rows: list[_Row] = []
         results: list[Generation | None] = [None] * (len(prompts_ids) * n)
         made = []  # tokens made per row, as of the last check
+        can_stop = bool(stop_ids or sampling_.stop)
         rounds = steps = prefills = max_rows = 0
         prefill_s = decode_s = host_s = 0.0
         try:
@@ -94,8 +98,7 @@ class Scheduler:
                 prefills += admitted
                 made += [1] * (len(rows) - len(made))
                 max_rows = max(max_rows, len(rows))
-                remaining = max((sampling_.max_new_tokens - m for m in made), default=0)
-                todo = min(self.check_every, remaining)
+                todo = self._steps_before_check(made, sampling_.max_new_tokens, can_stop)
                 if todo > 0:
                     self.runner.decode(len(rows), todo, mode)
                     steps += todo
@@ -117,6 +120,16 @@ class Scheduler:
                 self.cache.allocator.free(row.blocks)
         self.last_stats = CallStats(rounds, steps, prefills, max_rows, prefill_s, decode_s, host_s)
         return results  # type: ignore[return-value]
+
+    def _steps_before_check(self, made: list[int], max_new: int, can_stop: bool) -> int:
+        """Decode steps to run before the host looks again. A row with no stop token or string
+        to meet can only finish at its length limit, which the host knows: with none, it looks
+        when the first row gets there (at most MAX_UNCHECKED_STEPS on, for a cancel to be seen),
+        rather than every `check_every` steps, each look a sync that leaves the device idle."""
+        left = [max_new - m for m in made]
+        if can_stop:
+            return min(self.check_every, max(left, default=0))
+        return min(MAX_UNCHECKED_STEPS, min((n for n in left if n > 0), default=0))
 
     def _admit(self, waiting: deque, rows: list[_Row], seed: int, max_new: int, mode: StepMode) -> int:
         """Prefill as many waiting prompts as slots, blocks and the prefill budget allow."""
