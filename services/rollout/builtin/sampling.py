@@ -1,8 +1,9 @@
 """Sampling on the device, one row at a time and independent of how rows are batched.
 
 A row draws its next token by the Gumbel-max rule: argmax over the vocabulary of
-`logits / temperature + g`, with g = -log(-log(u)) and u a uniform number made by hashing
-(row key, step, token id). That is an exact draw from softmax(logits / temperature), it needs no
+`logits / temperature + g`, with g = -log(-log(u)) and u a uniform number in (0, 1) made by
+hashing (row key, step, token id) to 24 bits (`gumbel` says how g stays finite and exact).
+That is an exact draw from softmax(logits / temperature), it needs no
 generator state, so it can live inside a CUDA graph, and a row's draws depend only on its own
 key: the same seed gives the same samples however rows are batched, admitted or compacted.
 Top-k and top-p mask the scaled logits first (the masked tokens can never win the argmax).
@@ -37,12 +38,26 @@ def hash32(x: torch.Tensor) -> torch.Tensor:
     return (x >> 16) ^ x
 
 
-def uniforms(keys: torch.Tensor, steps: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """u in (0, 1), float32 [b, V], for int64 keys [b] and steps [b]."""
+def uniform_bits(keys: torch.Tensor, steps: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """24 random bits per token, int64 [b, V] in [0, 2**24), for int64 keys [b] and steps [b]:
+    u = (bits + 1/2) / 2**24."""
     step_keys = hash32((keys + steps.long() * STEP_MUL) & MASK32)  # [b]
     tokens = torch.arange(vocab_size, device=keys.device, dtype=torch.int64) * TOKEN_MUL  # [V]
-    bits = hash32((step_keys[:, None] + tokens[None, :]) & MASK32)  # [b, V]
-    return ((bits >> 8).float() + 0.5) * (1.0 / (1 << 24))
+    return hash32((step_keys[:, None] + tokens[None, :]) & MASK32) >> 8  # [b, V]
+
+
+def gumbel(bits: torch.Tensor) -> torch.Tensor:
+    """g = -log(-log u), float32, for u = (bits + 1/2) / 2**24 (`uniform_bits`).
+
+    The largest g come from u near 1, where -log u is small: it must be computed from 1 - u
+    (exact there), not from u, which float32 rounds (bits + 1/2 needs 25 bits past 2**23) and
+    rounds to exactly 1 for the top value, making g infinite. That top value comes up once in
+    2**24 tokens, 0.9% of the draws over a 151,936-token vocabulary: each such draw took that
+    token whatever its probability. Below u = 1/2, u is exact and -log u is taken from it."""
+    u = (bits.float() + 0.5) * (1.0 / (1 << 24))  # exact below 1/2
+    w = ((((1 << 24) - 1) - bits).float() + 0.5) * (1.0 / (1 << 24))  # 1 - u, exact above 1/2
+    neg_log_u = torch.where(bits < (1 << 23), -torch.log(u), -torch.log1p(-w))
+    return -torch.log(neg_log_u)
 
 
 def filter_scores(logits: torch.Tensor, inv_temperature: torch.Tensor, top_k: int,
@@ -76,6 +91,6 @@ def sample(logits: torch.Tensor, keys: torch.Tensor, steps: torch.Tensor, inv_te
     else:
         if scores is None:
             scores = raw * inv_temperature
-        gumbel = -torch.log(-torch.log(uniforms(keys, steps, raw.shape[-1])))  # [b, V]
-        tokens = (scores + gumbel).argmax(dim=-1)  # [b]
+        noise = gumbel(uniform_bits(keys, steps, raw.shape[-1]))  # [b, V]
+        tokens = (scores + noise).argmax(dim=-1)  # [b]
     return tokens, raw.gather(1, tokens[:, None]).squeeze(1) - lse
