@@ -27,7 +27,7 @@ for stage in "$@"; do
     sweep) timeout 300 python3 bench/rollout.py --device cuda --parts sweep --out "$OUT/rollout.jsonl" --png "$OUT/rollout.png" ;;
     kernels) timeout 300 python3 bench/decode_kernels.py --out "$OUT/decode_kernels.jsonl" 2>&1 | tee "$OUT/decode_kernels.log" | grep "^#" ;;
     sweep-quick) timeout 200 python3 bench/rollout.py --device cuda --parts sweep --repeats 1 --no-profile --out "$OUT/rollout.jsonl" ;;
-    rl) timeout 300 python3 bench/rollout.py --device cuda --parts rl --out "$OUT/rollout.jsonl" ;;
+    rl) timeout 420 python3 bench/rollout.py --device cuda --parts rl --out "$OUT/rollout.jsonl" ;;
     gap) timeout 120 python3 bench/rollout.py --device cuda --parts gap --out "$OUT/rollout.jsonl" ;;
     megatron-tests) timeout 250 python3 -m pytest -q --timeout 200 -rA tests/gpu/test_megatron_gpu.py 2>&1 | tee "$OUT/megatron-tests.log" | grep -E "^step|held|PASS|FAIL|ERROR|passed|failed|^E " | tail -40 ;;
     train-bench) timeout 300 python3 bench/train_step.py --json --out "$OUT/train_step.jsonl" --png "$OUT/train_step.png" ;;

@@ -13,8 +13,9 @@ Prints JSON lines and, with --png, plots them.
 - `rl`: 256 prompts x n=8, prompts of 64-512 tokens, up to 1024 new tokens. Random weights
   never say eos, so 1/300 of the vocabulary are stop tokens: lengths are geometric with mean
   ~300, 3% reach 1024. Timed on the second call (the first, `first_call_s`, compiles kernels
-  and captures graphs). The eager reference engine's figure comes from the first 32 prompts
-  (256 rows, one batch), in the same run.
+  and captures graphs); `after_release_s` is a third call after `release()`, as a colocated
+  engine makes every step (KV pool and graphs made again). The eager reference engine's figure
+  comes from the first 32 prompts (256 rows, one batch), in the same run.
 - `gap`: |engine logprob - trainer logprob| for the same tokens (the trainer's full forward),
   mean and max, in bf16 and float32.
 
@@ -215,9 +216,13 @@ def rl_run(shape: str, device: str, args) -> list[dict]:
     seconds = timed(lambda: results.extend(core.generate(prompts, sampling)), device)
     tokens = sum(len(r.output_ids) for r in results)
     stats = core.scheduler.last_stats
+    # A colocated engine releases its KV pool and graphs every RL step (the trainer takes the
+    # memory), so its next call makes the pool and captures the graphs again.
+    core.release()
+    after_release = timed(lambda: core.generate(prompts, sampling), device)
     line = {"bench": "rollout", "kind": "rl", "shape": shape, "engine": "paged", "prompts": len(prompts), "n": 8,
             "rows": len(results), "tokens": tokens, "seconds": round(seconds, 3), "tokens_per_s": round(tokens / seconds, 1),
-            "first_call_s": round(first, 3),
+            "first_call_s": round(first, 3), "after_release_s": round(after_release, 3),
             "mean_len": round(tokens / len(results), 1), "truncated": sum(len(r.output_ids) == 1024 for r in results),
             "decode_steps": stats.decode_steps, "prefills": stats.prefills, "prefill_s": round(stats.prefill_s, 3),
             "decode_s": round(stats.decode_s, 3), "host_s": round(stats.host_s, 3)}
