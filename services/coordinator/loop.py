@@ -13,19 +13,19 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
-
-import torch
+from typing import TYPE_CHECKING, Callable
 
 from services import rpc
 from services.api import rollout_pb2, trainer_pb2
-from services.coordinator.advantages import compute_advantages, explained_variance, gae, whiten_tokens
 from services.coordinator.clients import Completion, PeerError, RolloutClient, TrainerClient, TrainerGroup
 from services.coordinator.config import JobConfig, OptimizerConfig, SchedulerConfig
 from services.coordinator.datasets import Example, PromptSampler, load_examples, open_dataset
 from services.coordinator.rewards import build_reward
 from services.coordinator.weight_sync import WeightSyncer
 from services.models.tokenizer import load_tokenizer
+
+if TYPE_CHECKING:
+    import torch
 
 log = rpc.get_logger("coordinator")
 CRITIC_DIR = "critic"  # a PPO checkpoint's critic: a folder inside the policy's checkpoint folder
@@ -385,6 +385,10 @@ class RLLoop:
 
     # ---- training ----------------------------------------------------------------------------
     def rl_step(self, step: int, examples: list[Example]) -> dict[str, float]:
+        import torch
+
+        from services.coordinator.advantages import compute_advantages
+
         job, algo = self.job, self.job.algorithm
         if len(self.fleet.in_pool) < len(self.fleet.engines):
             self.recover_engines(step)
@@ -460,6 +464,8 @@ class RLLoop:
         onto the returns. Offloaded, the actor sleeps while the critic works and the critic
         sleeps before the actor trains: one model is on the device at a time.
         """
+        from services.coordinator.advantages import explained_variance, gae, whiten_tokens
+
         algo, started = self.job.algorithm, time.perf_counter()
         outcome = rewards.reshape(-1).tolist()
         scored = [i for i, c in enumerate(completions) if c.output_ids]
@@ -513,6 +519,8 @@ class RLLoop:
     def _kl_in_reward(self, completions: list[Completion]) -> torch.Tensor:
         """Per completion, sum over its tokens of (engine logprob - ref logprob): the k1 estimate
         of KL(policy || ref) for the sequence (0 for an empty completion)."""
+        import torch
+
         return torch.tensor([sum(c.logprobs) - sum(ref) if c.output_ids else 0.0
                              for c, ref in zip(completions, self._ref_logprobs(completions))])
 

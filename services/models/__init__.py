@@ -3,10 +3,24 @@ Hugging Face checkpoint I/O and the tokenizer wrapper. Parameter names, `config.
 `tokenizer.json` all follow Hugging Face conventions, so checkpoints move between rlfleet and the
 Hugging Face ecosystem without conversion."""
 
-from services.models.checkpoint import load_config, load_hf_dir, save_hf_dir
-from services.models.config import ModelConfig
-from services.models.decoder import DecoderLM, KVCache, init_weights
-from services.models.tokenizer import Tokenizer, load_tokenizer, make_char_tokenizer
+import importlib
+
+# Exported lazily: the tokenizer alone (the coordinator's need) does not import torch.
+_WHERE = {
+    "load_config": "checkpoint", "load_hf_dir": "checkpoint", "save_hf_dir": "checkpoint",
+    "ModelConfig": "config",
+    "DecoderLM": "decoder", "KVCache": "decoder", "init_weights": "decoder",
+    "Tokenizer": "tokenizer", "load_tokenizer": "tokenizer", "make_char_tokenizer": "tokenizer",
+}
+
+
+def __getattr__(name: str):
+    if name not in _WHERE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{_WHERE[name]}"), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "DecoderLM",
