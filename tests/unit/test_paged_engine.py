@@ -29,7 +29,9 @@ def _free_blocks_all_back(core: GenerationCore) -> bool:
 
 def test_seeded_draws_do_not_depend_on_batching():
     model = _model()
-    sampling = Sampling(temperature=1.0, top_p=0.9, max_new_tokens=12, n=3, seed=11, ignore_eos=True)
+    # A stop string that never comes keeps the host checking every `check_every` steps (rows
+    # that can only end at the length limit are checked when they reach it, whatever the setting).
+    sampling = Sampling(temperature=1.0, top_p=0.9, max_new_tokens=12, n=3, seed=11, ignore_eos=True, stop=("never said",))
     prompts = _prompts() + [LONG]
     runs = [_core(model, max_batch_size=b, check_every=c).generate(prompts, sampling) for b, c in ((256, 1), (2, 1), (5, 8))]
     assert [r.output_ids for r in runs[0]] == [r.output_ids for r in runs[1]] == [r.output_ids for r in runs[2]]
