@@ -265,7 +265,7 @@ def gap(shape: str, device: str, dtype: torch.dtype, args) -> dict:
     line = _stamp({"bench": "rollout", "kind": "gap", "shape": shape, "dtype": str(dtype).removeprefix("torch."),
                    "tokens": allowed.numel(), "mean_abs": float(allowed.mean()), "max_abs": float(allowed.max())})
     emit(line, args.out)
-    core = model = None  # (not del: the timing lambdas above name them)
+    del core, model
     return line
 
 
