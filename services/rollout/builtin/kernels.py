@@ -328,6 +328,12 @@ class TritonOps(TorchOps):
     top-k / top-p filtering stay on torch: flash attention and sorting are already kernels)."""
 
     name = "triton"
+    # Attention tile when a row is not split (large batches). On long rows longer tiles pay:
+    # H200, RL-shaped rows of up to 1500 tokens, 0.5B 59.9k -> 64.7k tokens/s, 1.5B 37.5k ->
+    # 41.0k (bench/experiments/attention_tile_rl.py); on rows under 200 tokens they cost the 1.5B
+    # step ~1%. Split rows (small batches) keep 32, the fastest there, as do float32 and heads
+    # wider than 128, whose 64-row tiles may not fit shared memory.
+    unsplit_tile = 64
 
     def add_rmsnorm(self, x, residual, weight, eps):
         rows, cols = x.shape
@@ -364,11 +370,7 @@ class TritonOps(TorchOps):
         acc = torch.empty(batch, num_heads, num_splits, dim_pad, dtype=torch.float32, device=q.device)
         ml = torch.empty(batch, num_heads, num_splits, 2, dtype=torch.float32, device=q.device)
         out = torch.empty(batch, num_heads * head_dim, dtype=q.dtype, device=q.device)
-        # Unsplit (a large batch fills the GPU), each program walks a whole row: on long rows
-        # longer tiles pay. H200, RL-shaped rows of up to 1500 tokens: 0.5B 59.9k -> 64.7k
-        # tokens/s, 1.5B 37.5k -> 41.0k; on rows under 200 tokens they cost the 1.5B step ~1%.
-        # Split (small batches), 32 stays fastest. (Float32 or wide heads: 32, whose tiles fit.)
-        block_n = 64 if num_splits == 1 and q.element_size() == 2 and head_dim <= 128 else 32
+        block_n = self.unsplit_tile if num_splits == 1 and q.element_size() == 2 and head_dim <= 128 else 32
         _decode_attention_kernel[(batch, num_kv_heads, num_splits)](
             q, k_cache, v_cache, block_tables, seq_lens, out, acc, ml, self._counter(q.device, batch * num_kv_heads),
             block_tables.stride(0), head_dim**-0.5, NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=group,
