@@ -114,19 +114,19 @@ class PagedDecoder:
             attn, mlp = layer.self_attn, layer.mlp
             h, residual = ops.add_rmsnorm(x, residual, layer.input_layernorm.weight, eps)
             if self.fused is not None:
-                qkv = F.linear(h, self.fused[index].qkv, self.fused[index].qkv_bias)  # [T, (H + 2 Hkv) D]
+                qkv = ops.linear(h, self.fused[index].qkv, self.fused[index].qkv_bias)  # [T, (H + 2 Hkv) D]
                 q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
             else:
                 q, k, v = attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)
             k_cache, v_cache = self.cache.layer(index)
             q = ops.qk_rope_cache(q, k, v, getattr(attn.q_norm, "weight", None), getattr(attn.k_norm, "weight", None),
                                   eps, self.rope, positions, slots, k_cache, v_cache)  # [T, H, D]
-            x = attn.o_proj(attend(index, q))
+            x = ops.linear(attend(index, q), attn.o_proj.weight, attn.o_proj.bias)
             h, residual = ops.add_rmsnorm(x, residual, layer.post_attention_layernorm.weight, eps)
             if self.fused is not None:
-                gate, up = F.linear(h, self.fused[index].gate_up).chunk(2, dim=-1)
+                gate, up = ops.linear(h, self.fused[index].gate_up).chunk(2, dim=-1)
             else:
                 gate, up = mlp.gate_proj(h), mlp.up_proj(h)
-            x = mlp.down_proj(ops.silu_mul(gate, up))
+            x = ops.silu_mul_linear(gate, up, mlp.down_proj.weight, mlp.down_proj.bias)
         h, _ = ops.add_rmsnorm(x, residual, self.model.model.norm.weight, eps)
         return h

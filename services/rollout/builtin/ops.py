@@ -90,6 +90,16 @@ class TorchOps:
     def silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         return F.silu(gate) * up
 
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x [T, K] times weight [N, K] transposed, plus bias [N]: [T, N], as `nn.Linear`."""
+        return F.linear(x, weight, bias)
+
+    def silu_mul_linear(self, gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor,
+                        bias: torch.Tensor | None = None) -> torch.Tensor:
+        """The gated MLP's down product: linear(silu(gate) * up), the activation rounded to the
+        model's dtype first, as the decoder does."""
+        return self.linear(self.silu_mul(gate, up), weight, bias)
+
     def sample(self, logits: torch.Tensor, keys: torch.Tensor, steps: torch.Tensor, inv_temperature: torch.Tensor,
                greedy: bool, scores: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         return sampling.sample(logits, keys, steps, inv_temperature, greedy, scores)
