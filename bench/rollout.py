@@ -174,7 +174,7 @@ def step_split(core: GenerationCore, prompts: list[list[int]]) -> dict:
             if event.device_type.name != "CUDA" or not us:
                 continue
             name = event.key.lower()
-            if any(k in name for k in ("gemm", "gemv", "cutlass", "sm90_", "matmul", "splitk")):
+            if any(k in name for k in ("gemm", "gemv", "cutlass", "sm90_", "matmul", "splitk", "skinny_linear")):
                 out["matmul"] += us
             elif "decode_split" in name or "decode_merge" in name or "flash" in name or "attention" in name:
                 out["attention"] += us

@@ -78,6 +78,32 @@ def test_kernels_compute_what_the_torch_ops_compute(dtype, tolerance):
         assert torch.equal(t1, t2) and torch.allclose(l1, l2, atol=1e-4)
 
 
+@pytest.mark.parametrize("rows", [1, 5, 16, 17])
+def test_small_batch_products_compute_what_the_torch_ops_compute(rows):
+    """The decode step's products at batch <= 16 (`_skinny_linear_kernel`, split over k and
+    merged by the last program of each column block, launched ahead of the kernel before it):
+    q/k/v with its bias, and the MLP's down product with the activation fused in; 17 rows go to
+    cuBLAS. Twice in a row, as a captured graph replays them: the same bits both times."""
+    from services.rollout.builtin.kernels import TritonOps
+
+    ref, tri = TorchOps(), TritonOps()
+    tri.skinny_max_bytes = 1 << 30  # the 8.7 MB down product too (the engine leaves it to cuBLAS)
+    gen = torch.Generator(device="cuda").manual_seed(1)
+
+    def rnd(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=gen, device="cuda") * scale).to(torch.bfloat16)
+
+    x, w, bias = rnd(rows, 896), rnd(1152 + 40, 896, scale=0.05), rnd(1152 + 40)
+    gate_up, down = rnd(rows, 2 * 4864), rnd(896, 4864, scale=0.02)
+    gate, up = gate_up.chunk(2, dim=-1)
+    for _ in range(2):
+        first = tri.linear(x, w, bias), tri.silu_mul_linear(gate, up, down)
+        second = tri.linear(x, w, bias), tri.silu_mul_linear(gate, up, down)
+        assert all(torch.equal(a, b) for a, b in zip(first, second))
+        assert _rel(first[0], ref.linear(x, w, bias)) < 5e-3
+        assert _rel(first[1], ref.silu_mul_linear(gate, up, down)) < 5e-3
+        assert _rel(tri.linear(x, w), ref.linear(x, w)) < 5e-3
+
 def test_kernel_draws_match_the_reference_and_never_take_a_token_for_its_hash_alone():
     """Over 4096 rows of a 151,936-token vocabulary the kernel draws what the torch reference
     draws (their noise agrees to ~2e-6, so only a tie that close could differ), and a token of

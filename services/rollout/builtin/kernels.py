@@ -1,13 +1,16 @@
 """Triton kernels for the paged forward on a GPU, with the same signatures as `ops.TorchOps`.
 
 Decode is bound by reading the weights once per step, so what matters besides the matrix
-products is how many kernels a step launches and that none of them waits on the host:
+products is how many kernels a step launches, that none of them waits on the host, and that
+each starts before the one before it ends (programmatic dependent launch, Hopper on):
 - `add_rmsnorm`: residual add and RMSNorm in one pass (one kernel instead of five);
 - `qk_rope_cache`: Qwen3's q/k norm, RoPE, and the key/value store into the paged cache;
 - `decode_attention`: split-K paged attention for one query token per row; each program takes
   one KV head and all the query heads that share it, reading each cached key once, and the
   splits are merged by a second small kernel;
 - `silu_mul`: the gated MLP's activation;
+- `skinny_linear`: a small batch's attention products, their weights fetched into L2 while the
+  kernel before still runs;
 - `sample`: logsumexp, the seeded Gumbel-max draw and the chosen token's logprob in one read of
   the logits (see `sampling.py` for the draw and the hash it shares with the torch version).
 Every kernel rounds where the decoder rounds (see `ops.py`), so bf16 results track the eager model.
@@ -30,6 +33,9 @@ def _add_rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_cols, str
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.extra.cuda.gdc_wait()  # x and the residual come from the kernel before
+    tl.extra.cuda.gdc_launch_dependents()
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
     if HAS_RESIDUAL:
         r = tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0)
@@ -38,7 +44,6 @@ def _add_rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_cols, str
     xf = x.to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / n_cols + eps)
     normed = (xf * rstd).to(x.dtype).to(tl.float32)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * stride_out + cols, (w * normed).to(x.dtype), mask=mask)
 
 
@@ -49,6 +54,8 @@ def _qk_rope_cache_kernel(q_ptr, k_ptr, v_ptr, qn_ptr, kn_ptr, table_ptr, pos_pt
                           QK_PAD: tl.constexpr, KV_PAD: tl.constexpr, QK_NORM: tl.constexpr):
     """One program per token, all its heads at once: rows are q heads then k heads."""
     token = tl.program_id(0)
+    tl.extra.cuda.gdc_wait()
+    tl.extra.cuda.gdc_launch_dependents()
     h = tl.arange(0, QK_PAD)[:, None]
     d = tl.arange(0, HALF_PAD)[None, :]
     dm = d < HALF
@@ -102,6 +109,8 @@ def _decode_attention_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, len_ptr, out_ptr, ac
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
+    tl.extra.cuda.gdc_wait()
+    tl.extra.cuda.gdc_launch_dependents()
     g = tl.arange(0, GROUP_PAD)
     d = tl.arange(0, DIM_PAD)
     n = tl.arange(0, BLOCK_N)
@@ -183,6 +192,82 @@ def _silu_mul_kernel(gate_ptr, up_ptr, out_ptr, n_cols, stride_gate, stride_up, 
     act = (g / (1.0 + tl.exp(-g))).to(gate.dtype).to(tl.float32)
     tl.store(out_ptr + row * n_cols + cols, (act * up.to(tl.float32)).to(gate.dtype), mask=mask)
 
+
+@triton.jit
+def _prefetch_l2(ptrs):
+    """Ask L2 for the 128-byte lines at `ptrs`, kept there ahead of other lines; no register waits."""
+    tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1]; // $0", "=r,l", [ptrs], dtype=tl.int32,
+                              is_pure=False, pack=1)
+
+
+@triton.jit
+def _finish_linear(acc, b_ptr, out_ptr, cols, n_ok, m, stride_out, out_mask, HAS_BIAS: tl.constexpr):
+    """acc [BLOCK_N, BLOCK_M] (columns by rows) plus bias, rounded, stored as out [rows, n]."""
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + cols, mask=n_ok, other=0.0).to(tl.float32)[:, None]
+    tl.store(out_ptr + m[None, :] * stride_out + cols[:, None], acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit
+def _skinny_linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, count_ptr, rows, n, k, k_split, up_offset,
+                          stride_x, stride_out, HAS_BIAS: tl.constexpr, SILU: tl.constexpr, SPLITS: tl.constexpr,
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                          LINES: tl.constexpr):
+    """out [rows, n] = x [rows, k] @ w [n, k]^T (+ bias) for a decode step's few rows (at most
+    BLOCK_M): one program per (BLOCK_N output columns, share of k), the weight's rows on the
+    matrix unit's long side.
+
+    Before `gdc_wait` the program asks L2 for its whole weight tile: with programmatic dependent
+    launch it starts while the kernel before it (whose output is x) still runs, so the weight
+    bytes stream in from memory during that kernel instead of after it. With SILU, x is
+    silu(gate) * up of the gated MLP (gate at x, up `up_offset` columns on), rounded as
+    `silu_mul` rounds. With SPLITS > 1 each program writes its float32 partial and the last of a
+    column block's programs to finish (an atomic count) adds them in split order: one launch,
+    and the same sum whatever order the programs finish in."""
+    pid = tl.program_id(0)
+    split = tl.program_id(1)
+    cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = cols < n
+    k_start = split * k_split
+    k_end = tl.minimum(k_start + k_split, k)
+    rows_w = w_ptr + cols.to(tl.int64) * k  # [BLOCK_N] row starts
+    line = k_start + tl.arange(0, LINES) * 64  # a 128-byte line holds 64 bf16
+    _prefetch_l2(tl.where(n_ok[:, None] & (line < k_end)[None, :], rows_w[:, None] + line[None, :], w_ptr))
+    tl.extra.cuda.gdc_wait()  # the kernel before this one (x's writer) has finished
+    tl.extra.cuda.gdc_launch_dependents()
+    m = tl.arange(0, BLOCK_M)
+    m_ok = m < rows
+    acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+    for first in range(k_start, k_end, BLOCK_K):
+        kk = first + tl.arange(0, BLOCK_K)
+        k_ok = kk < k_end
+        w = tl.load(rows_w[:, None] + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        x_offs = m[None, :] * stride_x + kk[:, None]  # x transposed: [BLOCK_K, BLOCK_M]
+        x_mask = m_ok[None, :] & k_ok[:, None]
+        if SILU:
+            gate = tl.load(x_ptr + x_offs, mask=x_mask, other=0.0)
+            up = tl.load(x_ptr + up_offset + x_offs, mask=x_mask, other=0.0)
+            g = gate.to(tl.float32)
+            act = (g / (1.0 + tl.exp(-g))).to(gate.dtype).to(tl.float32)
+            xt = (act * up.to(tl.float32)).to(gate.dtype)
+        else:
+            xt = tl.load(x_ptr + x_offs, mask=x_mask, other=0.0)
+        acc = tl.dot(w, xt, acc)  # [BLOCK_N, BLOCK_M] float32
+    out_mask = n_ok[:, None] & m_ok[None, :]
+    if SPLITS == 1:
+        _finish_linear(acc, b_ptr, out_ptr, cols, n_ok, m, stride_out, out_mask, HAS_BIAS)
+    else:
+        part = part_ptr + m[None, :] * n + cols[:, None]  # partials [SPLITS, BLOCK_M, n]
+        tl.store(part + split * BLOCK_M * n, acc, mask=out_mask)
+        tl.debug_barrier()  # every thread's partial is written before the count says so
+        counter = count_ptr + pid
+        if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == SPLITS - 1:
+            tl.debug_barrier()
+            total = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+            for other in tl.static_range(SPLITS):
+                total += tl.load(part + other * BLOCK_M * n, mask=out_mask, other=0.0, cache_modifier=".cg")
+            _finish_linear(total, b_ptr, out_ptr, cols, n_ok, m, stride_out, out_mask, HAS_BIAS)
+            tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")  # ready for the next launch
 
 @triton.jit
 def _hash32(x):
@@ -334,6 +419,19 @@ class TritonOps(TorchOps):
     # step ~1%. Split rows (small batches) keep 32, the fastest there, as do float32 and heads
     # wider than 128, whose 64-row tiles may not fit shared memory.
     unsplit_tile = 64
+    # Products of at most `skinny_rows` rows (a small batch's decode step) whose weight is at most
+    # `skinny_max_bytes` run as `_skinny_linear_kernel` (bf16 and fp16); the rest go to cuBLAS.
+    # That kernel asks L2 for its weight while the kernel before it still runs, which pays where
+    # a product is too small to reach the bandwidth: the attention's q/k/v and o products. On
+    # the MLP's (9-55 MB) cuBLAS streams better. H200, decode step at batch 16, 0.5B shape:
+    # cuBLAS 983 us, all products skinny 997, those up to 8 MB 918, up to 10 MB 937; 1.5B 1690,
+    # 2085, 1622 (bench/experiments/skinny_pdl.py, bench/results/skinny_pdl-experiment-*.txt).
+    skinny_rows = 16
+    skinny_max_bytes = 8 << 20
+    skinny_block_n = 64  # weight rows per program: one warpgroup's matrix-unit tile (n32: 0.5B 947 us)
+    skinny_block_k = 128
+    skinny_warps = 4
+    skinny_stages = 3
 
     def add_rmsnorm(self, x, residual, weight, eps):
         rows, cols = x.shape
@@ -342,7 +440,8 @@ class TritonOps(TorchOps):
         has_res = residual is not None
         _add_rmsnorm_kernel[(rows,)](x, residual if has_res else x, weight, out, res_out, cols, x.stride(0),
                                      residual.stride(0) if has_res else 0, out.stride(0), eps,
-                                     HAS_RESIDUAL=has_res, BLOCK=triton.next_power_of_2(cols), num_warps=4)
+                                     HAS_RESIDUAL=has_res, BLOCK=triton.next_power_of_2(cols), num_warps=4,
+                                     launch_pdl=self.pdl)
         return out, res_out
 
     def qk_rope_cache(self, q, k, v, q_norm, k_norm, eps, table, positions, slots, k_cache, v_cache):
@@ -356,11 +455,18 @@ class TritonOps(TorchOps):
             q.stride(0), k.stride(0), v.stride(0), eps, NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads,
             HALF=head_dim // 2, HALF_PAD=triton.next_power_of_2(head_dim // 2),
             QK_PAD=triton.next_power_of_2(num_heads + num_kv_heads), KV_PAD=triton.next_power_of_2(num_kv_heads),
-            QK_NORM=norm, num_warps=4)
+            QK_NORM=norm, num_warps=4, launch_pdl=self.pdl)
         return q_out
 
-    def __init__(self):
+    def __init__(self, pdl: bool | None = None):
         self._counters: dict[tuple, torch.Tensor] = {}
+        # Programmatic dependent launch (Hopper on): the kernels that wait for their predecessor
+        # with `gdc_wait` (norm, RoPE, attention, skinny products) are launched so that they may
+        # start before it ends; captured graphs keep that. With cuBLAS products alone it took the
+        # H200 decode step from 1005 to 983 us (0.5B, batch 16) and 2671 to 2635 (1.5B, batch 256).
+        if pdl is None:
+            pdl = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
+        self.pdl = pdl
 
     def decode_attention(self, q, k_cache, v_cache, block_tables, seq_lens, block_size, num_splits):
         batch, num_heads, head_dim = q.shape
@@ -372,16 +478,17 @@ class TritonOps(TorchOps):
         out = torch.empty(batch, num_heads * head_dim, dtype=q.dtype, device=q.device)
         block_n = self.unsplit_tile if num_splits == 1 and q.element_size() == 2 and head_dim <= 128 else 32
         _decode_attention_kernel[(batch, num_kv_heads, num_splits)](
-            q, k_cache, v_cache, block_tables, seq_lens, out, acc, ml, self._counter(q.device, batch * num_kv_heads),
+            q, k_cache, v_cache, block_tables, seq_lens, out, acc, ml, self._counter(q.device, batch * num_kv_heads, "attention"),
             block_tables.stride(0), head_dim**-0.5, NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=group,
             GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, DIM_PAD=dim_pad, BLOCK_SIZE=block_size,
-            BLOCK_N=block_n, NUM_SPLITS=num_splits, IEEE=q.dtype == torch.float32, num_warps=4, num_stages=2)
+            BLOCK_N=block_n, NUM_SPLITS=num_splits, IEEE=q.dtype == torch.float32, num_warps=4, num_stages=2,
+            launch_pdl=self.pdl)
         return out
 
-    def _counter(self, device: torch.device, size: int) -> torch.Tensor:
+    def _counter(self, device: torch.device, size: int, kind: str) -> torch.Tensor:
         """Zeroed split counters that outlive every launch (each launch leaves them at zero again).
         Made at the first, eager, call of a size, never while a graph is being captured."""
-        key = (device, size)
+        key = (device, size, kind)
         if key not in self._counters:
             if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
                 raise RuntimeError("decode_attention: run it once before capturing a graph of it")
@@ -397,6 +504,44 @@ class TritonOps(TorchOps):
                                         rows.num_made, rows.done, rows.out_tokens, rows.out_logprobs,
                                         rows.out_tokens.shape[1], rows.limit, rows.is_stop, NUM_CHUNKS=chunks,
                                         CHUNKS_PAD=max(2, triton.next_power_of_2(chunks)), num_warps=1)
+
+    def linear(self, x, weight, bias=None):
+        if not self._skinny(x, weight):
+            return super().linear(x, weight, bias)
+        return self._skinny_linear(x, weight, bias, silu=False)
+
+    def silu_mul_linear(self, gate, up, weight, bias=None):
+        # gate and up are the halves of one [T, 2 I] product (`forward.fuse_projections`)
+        halves = (up.data_ptr() - gate.data_ptr() == gate.shape[1] * gate.element_size()
+                  and gate.stride() == up.stride() and gate.stride(1) == 1)
+        if not (halves and self._skinny(gate, weight)):
+            return super().silu_mul_linear(gate, up, weight, bias)
+        return self._skinny_linear(gate, weight, bias, silu=True)
+
+    def _skinny(self, x, weight) -> bool:
+        return (x.shape[0] <= min(self.skinny_rows, 16) and x.dtype in (torch.bfloat16, torch.float16)
+                and weight.numel() * weight.element_size() <= self.skinny_max_bytes
+                and weight.dtype == x.dtype and weight.is_contiguous() and x.stride(1) == 1)
+
+    def _skinny_linear(self, x, weight, bias, silu: bool):
+        rows, k = x.shape
+        n = weight.shape[0]
+        block_n = self.skinny_block_n
+        blocks = triton.cdiv(n, block_n)
+        # Shares of k enough for ~2 programs per SM (small products need them to fetch their
+        # weights in parallel), each at least 256 wide; a share starts on a 128-byte line.
+        splits = max(1, min(triton.cdiv(2 * devices.sm_count(x.device), blocks), k // 256))
+        k_split = triton.cdiv(triton.cdiv(k, splits), 64) * 64
+        splits = triton.cdiv(k, k_split)
+        out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
+        part = torch.empty(splits, 16, n, dtype=torch.float32, device=x.device) if splits > 1 else out
+        counter = self._counter(x.device, blocks, "linear") if splits > 1 else out
+        _skinny_linear_kernel[(blocks, splits)](
+            x, weight, bias if bias is not None else weight, out, part, counter, rows, n, k, k_split, k, x.stride(0),
+            out.stride(0), HAS_BIAS=bias is not None, SILU=silu, SPLITS=splits, BLOCK_M=16, BLOCK_N=block_n,
+            BLOCK_K=self.skinny_block_k, LINES=triton.next_power_of_2(triton.cdiv(k_split, 64)),
+            num_warps=self.skinny_warps, num_stages=self.skinny_stages, launch_pdl=self.pdl)
+        return out
 
     def silu_mul(self, gate, up):
         rows, cols = gate.shape
