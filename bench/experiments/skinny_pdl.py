@@ -17,11 +17,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from bench.rollout import VOCAB, _Ids, make_model, timed  # noqa: E402
-from services.rollout.builtin import kernels as K  # noqa: E402
 from services.rollout.builtin.core import CoreSettings, GenerationCore  # noqa: E402
 from services.rollout.types import Sampling  # noqa: E402
 
-VARIANTS = {  # name: (skinny rows, pdl, block_n, block_k, warps, stages, largest weight in bytes)
+KNOBS = ("skinny_rows", "pdl", "skinny_block_n", "skinny_block_k", "skinny_warps", "skinny_stages", "skinny_max_bytes")
+VARIANTS = {  # name: (skinny rows, pdl, block_n, block_k, warps, stages, largest weight in bytes), then other knobs
     "cublas": (0, False, 64, 128, 4, 3),
     "cublas+pdl": (0, True, 64, 128, 4, 3),
     "skinny": (16, False, 64, 128, 4, 3),
@@ -32,6 +32,12 @@ VARIANTS = {  # name: (skinny rows, pdl, block_n, block_k, warps, stages, larges
     "skinny+pdl <=8MB": (16, True, 64, 128, 4, 3, 8 << 20),
     "skinny+pdl <=10MB": (16, True, 64, 128, 4, 3, 10 << 20),
     "skinny+pdl <=8MB n32": (16, True, 32, 128, 4, 3, 8 << 20),
+    # later the same day: the weight tile loaded whole before the wait (resident), not asked of L2
+    "resident <=8MB": (16, True, 64, 128, 4, 3, 8 << 20, {"skinny_resident": True}),
+    "resident <=10MB": (16, True, 64, 128, 4, 3, 10 << 20, {"skinny_resident": True}),
+    "resident all": (16, True, 64, 128, 4, 3, 1 << 40, {"skinny_resident": True}),
+    "resident all silu apart": (16, True, 64, 128, 4, 3, 1 << 40, {"skinny_resident": True, "skinny_fuse_silu": False}),
+    "resident all k512": (16, True, 64, 128, 8, 3, 1 << 40, {"skinny_resident": True, "skinny_resident_k": 512}),
 }
 
 
@@ -49,11 +55,14 @@ def main() -> None:
             results = {}
             for _round in range(2):
                 for name in names:
-                    rows, pdl, bn, bk, warps, stages, *limit = VARIANTS[name]
-                    K.TritonOps.skinny_max_bytes = limit[0] if limit else 1 << 40
-                    K.TritonOps.skinny_rows, K.TritonOps.skinny_block_n, K.TritonOps.skinny_block_k = rows, bn, bk
-                    K.TritonOps.skinny_warps, K.TritonOps.skinny_stages = warps, stages
-                    core.ops.pdl = pdl
+                    settings = VARIANTS[name]
+                    extra = settings[7] if len(settings) > 7 else {}
+                    values = dict(zip(KNOBS, settings[:7]), skinny_resident=False, skinny_resident_k=256,
+                                  skinny_fuse_silu=True)
+                    values.update(extra)
+                    values.setdefault("skinny_max_bytes", 1 << 40)
+                    for knob, value in values.items():
+                        setattr(core.ops, knob, value)
                     if core.runner is not None:
                         core.runner.drop_graphs()
                     core.generate(prompts, full)  # compile, capture
@@ -63,7 +72,7 @@ def main() -> None:
                                       - timed(lambda: core.generate(prompts, one), "cuda")) / 127)
                     results.setdefault(name, []).append(sorted(steps)[1] * 1e6)
                     tokens = [r.output_ids[:4] for r in core.generate(prompts[:2], full)]
-                    print(f"{shape} b{batch} {name:20s} step {sorted(steps)[1] * 1e6:7.1f} us  first tokens {tokens}",
+                    print(f"{shape} b{batch} {name:26s} step {sorted(steps)[1] * 1e6:7.1f} us  first tokens {tokens}",
                           flush=True)
             print("# summary", shape, batch, {k: [round(v, 1) for v in vs] for k, vs in results.items()}, flush=True)
         core = model = None

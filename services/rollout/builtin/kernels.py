@@ -186,6 +186,8 @@ def _silu_mul_kernel(gate_ptr, up_ptr, out_ptr, n_cols, stride_gate, stride_up, 
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
+    tl.extra.cuda.gdc_wait()
+    tl.extra.cuda.gdc_launch_dependents()
     gate = tl.load(gate_ptr + row * stride_gate + cols, mask=mask, other=0.0)
     up = tl.load(up_ptr + row * stride_up + cols, mask=mask, other=0.0)
     g = gate.to(tl.float32)
@@ -209,21 +211,37 @@ def _finish_linear(acc, b_ptr, out_ptr, cols, n_ok, m, stride_out, out_mask, HAS
 
 
 @triton.jit
+def _load_xt(x_ptr, up_offset, m, m_ok, kk, k_ok, stride_x, SILU: tl.constexpr):
+    """x transposed, [BLOCK_K, BLOCK_M]: the rows' inputs at columns kk; with SILU, silu(gate) * up."""
+    x_offs = m[None, :] * stride_x + kk[:, None]
+    x_mask = m_ok[None, :] & k_ok[:, None]
+    if SILU:
+        gate = tl.load(x_ptr + x_offs, mask=x_mask, other=0.0)
+        up = tl.load(x_ptr + up_offset + x_offs, mask=x_mask, other=0.0)
+        g = gate.to(tl.float32)
+        act = (g / (1.0 + tl.exp(-g))).to(gate.dtype).to(tl.float32)
+        return (act * up.to(tl.float32)).to(gate.dtype)
+    else:
+        return tl.load(x_ptr + x_offs, mask=x_mask, other=0.0)
+
+
+@triton.jit
 def _skinny_linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, count_ptr, rows, n, k, k_split, up_offset,
                           stride_x, stride_out, HAS_BIAS: tl.constexpr, SILU: tl.constexpr, SPLITS: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                          LINES: tl.constexpr):
+                          LINES: tl.constexpr, RESIDENT: tl.constexpr):
     """out [rows, n] = x [rows, k] @ w [n, k]^T (+ bias) for a decode step's few rows (at most
     BLOCK_M): one program per (BLOCK_N output columns, share of k), the weight's rows on the
     matrix unit's long side.
 
-    Before `gdc_wait` the program asks L2 for its whole weight tile: with programmatic dependent
-    launch it starts while the kernel before it (whose output is x) still runs, so the weight
-    bytes stream in from memory during that kernel instead of after it. With SILU, x is
-    silu(gate) * up of the gated MLP (gate at x, up `up_offset` columns on), rounded as
-    `silu_mul` rounds. With SPLITS > 1 each program writes its float32 partial and the last of a
-    column block's programs to finish (an atomic count) adds them in split order: one launch,
-    and the same sum whatever order the programs finish in."""
+    Before `gdc_wait` the program fetches its weight tile: with programmatic dependent launch it
+    starts while the kernel before it (whose output is x) still runs, so the weight bytes come in
+    from memory during that kernel instead of after it. RESIDENT: the share of k is one tile,
+    loaded into registers; otherwise the program asks L2 for its lines and walks k after the
+    wait. With SILU, x is silu(gate) * up of the gated MLP (gate at x, up `up_offset` columns
+    on), rounded as `silu_mul` rounds. With SPLITS > 1 each program writes its float32 partial
+    and the last of a column block's programs to finish (an atomic count) adds them in split
+    order: one launch, and the same sum whatever order the programs finish in."""
     pid = tl.program_id(0)
     split = tl.program_id(1)
     cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -231,28 +249,26 @@ def _skinny_linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, count_ptr, row
     k_start = split * k_split
     k_end = tl.minimum(k_start + k_split, k)
     rows_w = w_ptr + cols.to(tl.int64) * k  # [BLOCK_N] row starts
-    line = k_start + tl.arange(0, LINES) * 64  # a 128-byte line holds 64 bf16
-    _prefetch_l2(tl.where(n_ok[:, None] & (line < k_end)[None, :], rows_w[:, None] + line[None, :], w_ptr))
+    if RESIDENT:
+        kk = k_start + tl.arange(0, BLOCK_K)
+        k_ok = kk < k_end
+        w = tl.load(rows_w[:, None] + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+    else:
+        line = k_start + tl.arange(0, LINES) * 64  # a 128-byte line holds 64 bf16
+        _prefetch_l2(tl.where(n_ok[:, None] & (line < k_end)[None, :], rows_w[:, None] + line[None, :], w_ptr))
     tl.extra.cuda.gdc_wait()  # the kernel before this one (x's writer) has finished
     tl.extra.cuda.gdc_launch_dependents()
     m = tl.arange(0, BLOCK_M)
     m_ok = m < rows
-    acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
-    for first in range(k_start, k_end, BLOCK_K):
-        kk = first + tl.arange(0, BLOCK_K)
-        k_ok = kk < k_end
-        w = tl.load(rows_w[:, None] + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        x_offs = m[None, :] * stride_x + kk[:, None]  # x transposed: [BLOCK_K, BLOCK_M]
-        x_mask = m_ok[None, :] & k_ok[:, None]
-        if SILU:
-            gate = tl.load(x_ptr + x_offs, mask=x_mask, other=0.0)
-            up = tl.load(x_ptr + up_offset + x_offs, mask=x_mask, other=0.0)
-            g = gate.to(tl.float32)
-            act = (g / (1.0 + tl.exp(-g))).to(gate.dtype).to(tl.float32)
-            xt = (act * up.to(tl.float32)).to(gate.dtype)
-        else:
-            xt = tl.load(x_ptr + x_offs, mask=x_mask, other=0.0)
-        acc = tl.dot(w, xt, acc)  # [BLOCK_N, BLOCK_M] float32
+    if RESIDENT:
+        acc = tl.dot(w, _load_xt(x_ptr, up_offset, m, m_ok, kk, k_ok, stride_x, SILU))  # [BLOCK_N, BLOCK_M]
+    else:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+        for first in range(k_start, k_end, BLOCK_K):
+            kk = first + tl.arange(0, BLOCK_K)
+            k_ok = kk < k_end
+            w = tl.load(rows_w[:, None] + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            acc = tl.dot(w, _load_xt(x_ptr, up_offset, m, m_ok, kk, k_ok, stride_x, SILU), acc)
     out_mask = n_ok[:, None] & m_ok[None, :]
     if SPLITS == 1:
         _finish_linear(acc, b_ptr, out_ptr, cols, n_ok, m, stride_out, out_mask, HAS_BIAS)
@@ -321,6 +337,8 @@ def _sample_chunk_kernel(logits_ptr, scores_ptr, keys_ptr, steps_ptr, inv_temp_p
     step = tl.load(steps_ptr + row).to(tl.uint32)
     step_key = _hash32(key + step * 0x9E3779B9)
     inv_temp = tl.load(inv_temp_ptr)
+    tl.extra.cuda.gdc_wait()  # the logits' product has finished (row keys and steps were written before it)
+    tl.extra.cuda.gdc_launch_dependents()
     m = tl.full((BLOCK_V,), float("-inf"), tl.float32)  # per lane: running max and exp-sum (logsumexp)
     total = tl.zeros((BLOCK_V,), tl.float32)
     best = tl.full((BLOCK_V,), float("-inf"), tl.float32)  # per lane: best score so far and its token
@@ -393,6 +411,8 @@ def _sample_record_kernel(part_ptr, tok_part_ptr, logits_ptr, stride_logits, sta
     `TorchOps.sample_and_record` does), all in one program per row."""
     r = tl.program_id(0)
     row = start + r
+    tl.extra.cuda.gdc_wait()
+    tl.extra.cuda.gdc_launch_dependents()
     token, logprob = _merge_chunks(part_ptr, tok_part_ptr, logits_ptr, stride_logits, r, NUM_CHUNKS, CHUNKS_PAD)
     active = tl.load(done_ptr + row) == 0
     if active:
@@ -432,6 +452,9 @@ class TritonOps(TorchOps):
     skinny_block_k = 128
     skinny_warps = 4
     skinny_stages = 3
+    skinny_resident = False
+    skinny_resident_k = 256
+    skinny_fuse_silu = True
 
     def add_rmsnorm(self, x, residual, weight, eps):
         rows, cols = x.shape
@@ -503,7 +526,8 @@ class TritonOps(TorchOps):
         _sample_record_kernel[(batch,)](part, tok_part, logits, logits.stride(0), start, rows.tokens, rows.positions,
                                         rows.num_made, rows.done, rows.out_tokens, rows.out_logprobs,
                                         rows.out_tokens.shape[1], rows.limit, rows.is_stop, NUM_CHUNKS=chunks,
-                                        CHUNKS_PAD=max(2, triton.next_power_of_2(chunks)), num_warps=1)
+                                        CHUNKS_PAD=max(2, triton.next_power_of_2(chunks)), num_warps=1,
+                                        launch_pdl=self.pdl)
 
     def linear(self, x, weight, bias=None):
         if not self._skinny(x, weight):
@@ -514,7 +538,7 @@ class TritonOps(TorchOps):
         # gate and up are the halves of one [T, 2 I] product (`forward.fuse_projections`)
         halves = (up.data_ptr() - gate.data_ptr() == gate.shape[1] * gate.element_size()
                   and gate.stride() == up.stride() and gate.stride(1) == 1)
-        if not (halves and self._skinny(gate, weight)):
+        if not (halves and self.skinny_fuse_silu and self._skinny(gate, weight)):
             return super().silu_mul_linear(gate, up, weight, bias)
         return self._skinny_linear(gate, weight, bias, silu=True)
 
@@ -528,10 +552,15 @@ class TritonOps(TorchOps):
         n = weight.shape[0]
         block_n = self.skinny_block_n
         blocks = triton.cdiv(n, block_n)
-        # Shares of k enough for ~2 programs per SM (small products need them to fetch their
-        # weights in parallel), each at least 256 wide; a share starts on a 128-byte line.
-        splits = max(1, min(triton.cdiv(2 * devices.sm_count(x.device), blocks), k // 256))
-        k_split = triton.cdiv(triton.cdiv(k, splits), 64) * 64
+        if self.skinny_resident:
+            # shares of k one register tile each
+            k_split = block_k = self.skinny_resident_k
+        else:
+            # Shares of k enough for ~2 programs per SM (small products need them to fetch their
+            # weights in parallel), each at least 256 wide; a share starts on a 128-byte line.
+            splits = max(1, min(triton.cdiv(2 * devices.sm_count(x.device), blocks), k // 256))
+            k_split = triton.cdiv(triton.cdiv(k, splits), 64) * 64
+            block_k = self.skinny_block_k
         splits = triton.cdiv(k, k_split)
         out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
         part = torch.empty(splits, 16, n, dtype=torch.float32, device=x.device) if splits > 1 else out
@@ -539,7 +568,7 @@ class TritonOps(TorchOps):
         _skinny_linear_kernel[(blocks, splits)](
             x, weight, bias if bias is not None else weight, out, part, counter, rows, n, k, k_split, k, x.stride(0),
             out.stride(0), HAS_BIAS=bias is not None, SILU=silu, SPLITS=splits, BLOCK_M=16, BLOCK_N=block_n,
-            BLOCK_K=self.skinny_block_k, LINES=triton.next_power_of_2(triton.cdiv(k_split, 64)),
+            BLOCK_K=block_k, LINES=triton.next_power_of_2(triton.cdiv(k_split, 64)), RESIDENT=self.skinny_resident,
             num_warps=self.skinny_warps, num_stages=self.skinny_stages, launch_pdl=self.pdl)
         return out
 
@@ -548,7 +577,7 @@ class TritonOps(TorchOps):
         out = torch.empty(rows, cols, dtype=gate.dtype, device=gate.device)
         block = 1024
         _silu_mul_kernel[(rows, triton.cdiv(cols, block))](gate, up, out, cols, gate.stride(0), up.stride(0),
-                                                          BLOCK=block, num_warps=4)
+                                                          BLOCK=block, num_warps=4, launch_pdl=self.pdl)
         return out
 
     def sample(self, logits, keys, steps, inv_temperature, greedy, scores=None):
@@ -575,7 +604,8 @@ class TritonOps(TorchOps):
         use = logits if scores is None else scores
         _sample_chunk_kernel[(batch, chunks)](logits, use, keys, steps, inv_temperature, part, tok_part, vocab, chunk,
                                               logits.stride(0), use.stride(0), NUM_CHUNKS=chunks, GREEDY=greedy,
-                                              SCALE_SCORES=scores is None, BLOCK_V=block, num_warps=4)
+                                              SCALE_SCORES=scores is None, BLOCK_V=block, num_warps=4,
+                                              launch_pdl=self.pdl)
         return part, tok_part, chunks
 
 
