@@ -1,4 +1,4 @@
-"""A one-off experiment (2026-12-03): the decode step at small batches with its products on cuBLAS
+"""A one-off experiment (2026-12-02): the decode step at small batches with its products on cuBLAS
 or on `_skinny_linear_kernel`, and with or without programmatic dependent launch (PDL), alternating
 in one process on one model. The step time is (a call making 128 tokens - a call making 1) / 127,
 the median of 3, graphs captured again for each variant.
@@ -32,7 +32,8 @@ VARIANTS = {  # name: (skinny rows, pdl, block_n, block_k, warps, stages, larges
     "skinny+pdl <=8MB": (16, True, 64, 128, 4, 3, 8 << 20),
     "skinny+pdl <=10MB": (16, True, 64, 128, 4, 3, 10 << 20),
     "skinny+pdl <=8MB n32": (16, True, 32, 128, 4, 3, 8 << 20),
-    # later the same day: the weight tile loaded whole before the wait (resident), not asked of L2
+    # later the same day: the weight tile loaded whole before the wait (resident), not asked of L2;
+    # that variant of the kernel exists at commit 2f73e50 only (it did not pay and was taken out)
     "resident <=8MB": (16, True, 64, 128, 4, 3, 8 << 20, {"skinny_resident": True}),
     "resident <=10MB": (16, True, 64, 128, 4, 3, 10 << 20, {"skinny_resident": True}),
     "resident all": (16, True, 64, 128, 4, 3, 1 << 40, {"skinny_resident": True}),

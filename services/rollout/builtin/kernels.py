@@ -229,16 +229,16 @@ def _load_xt(x_ptr, up_offset, m, m_ok, kk, k_ok, stride_x, SILU: tl.constexpr):
 def _skinny_linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, count_ptr, rows, n, k, k_split, up_offset,
                           stride_x, stride_out, HAS_BIAS: tl.constexpr, SILU: tl.constexpr, SPLITS: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                          LINES: tl.constexpr, RESIDENT: tl.constexpr):
+                          LINES: tl.constexpr):
     """out [rows, n] = x [rows, k] @ w [n, k]^T (+ bias) for a decode step's few rows (at most
     BLOCK_M): one program per (BLOCK_N output columns, share of k), the weight's rows on the
     matrix unit's long side.
 
-    Before `gdc_wait` the program fetches its weight tile: with programmatic dependent launch it
-    starts while the kernel before it (whose output is x) still runs, so the weight bytes come in
-    from memory during that kernel instead of after it. RESIDENT: the share of k is one tile,
-    loaded into registers; otherwise the program asks L2 for its lines and walks k after the
-    wait. With SILU, x is silu(gate) * up of the gated MLP (gate at x, up `up_offset` columns
+    Before `gdc_wait` the program asks L2 for its whole weight tile: with programmatic dependent
+    launch it starts while the kernel before it (whose output is x) still runs, so the weight
+    bytes come in from memory during that kernel instead of after it. (Loading the tile into the
+    program instead measured the same for q/k/v and o, and worse for the MLP products; see
+    bench/results/skinny_pdl-experiment-5-*.) With SILU, x is silu(gate) * up of the gated MLP (gate at x, up `up_offset` columns
     on), rounded as `silu_mul` rounds. With SPLITS > 1 each program writes its float32 partial
     and the last of a column block's programs to finish (an atomic count) adds them in split
     order: one launch, and the same sum whatever order the programs finish in."""
@@ -249,26 +249,18 @@ def _skinny_linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, count_ptr, row
     k_start = split * k_split
     k_end = tl.minimum(k_start + k_split, k)
     rows_w = w_ptr + cols.to(tl.int64) * k  # [BLOCK_N] row starts
-    if RESIDENT:
-        kk = k_start + tl.arange(0, BLOCK_K)
-        k_ok = kk < k_end
-        w = tl.load(rows_w[:, None] + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-    else:
-        line = k_start + tl.arange(0, LINES) * 64  # a 128-byte line holds 64 bf16
-        _prefetch_l2(tl.where(n_ok[:, None] & (line < k_end)[None, :], rows_w[:, None] + line[None, :], w_ptr))
+    line = k_start + tl.arange(0, LINES) * 64  # a 128-byte line holds 64 bf16
+    _prefetch_l2(tl.where(n_ok[:, None] & (line < k_end)[None, :], rows_w[:, None] + line[None, :], w_ptr))
     tl.extra.cuda.gdc_wait()  # the kernel before this one (x's writer) has finished
     tl.extra.cuda.gdc_launch_dependents()
     m = tl.arange(0, BLOCK_M)
     m_ok = m < rows
-    if RESIDENT:
-        acc = tl.dot(w, _load_xt(x_ptr, up_offset, m, m_ok, kk, k_ok, stride_x, SILU))  # [BLOCK_N, BLOCK_M]
-    else:
-        acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
-        for first in range(k_start, k_end, BLOCK_K):
-            kk = first + tl.arange(0, BLOCK_K)
-            k_ok = kk < k_end
-            w = tl.load(rows_w[:, None] + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-            acc = tl.dot(w, _load_xt(x_ptr, up_offset, m, m_ok, kk, k_ok, stride_x, SILU), acc)
+    acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+    for first in range(k_start, k_end, BLOCK_K):
+        kk = first + tl.arange(0, BLOCK_K)
+        k_ok = kk < k_end
+        w = tl.load(rows_w[:, None] + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        acc = tl.dot(w, _load_xt(x_ptr, up_offset, m, m_ok, kk, k_ok, stride_x, SILU), acc)  # [BLOCK_N, BLOCK_M]
     out_mask = n_ok[:, None] & m_ok[None, :]
     if SPLITS == 1:
         _finish_linear(acc, b_ptr, out_ptr, cols, n_ok, m, stride_out, out_mask, HAS_BIAS)
@@ -452,9 +444,6 @@ class TritonOps(TorchOps):
     skinny_block_k = 128
     skinny_warps = 4
     skinny_stages = 3
-    skinny_resident = False
-    skinny_resident_k = 256
-    skinny_fuse_silu = True
 
     def add_rmsnorm(self, x, residual, weight, eps):
         rows, cols = x.shape
@@ -538,7 +527,7 @@ class TritonOps(TorchOps):
         # gate and up are the halves of one [T, 2 I] product (`forward.fuse_projections`)
         halves = (up.data_ptr() - gate.data_ptr() == gate.shape[1] * gate.element_size()
                   and gate.stride() == up.stride() and gate.stride(1) == 1)
-        if not (halves and self.skinny_fuse_silu and self._skinny(gate, weight)):
+        if not (halves and self._skinny(gate, weight)):
             return super().silu_mul_linear(gate, up, weight, bias)
         return self._skinny_linear(gate, weight, bias, silu=True)
 
@@ -552,15 +541,10 @@ class TritonOps(TorchOps):
         n = weight.shape[0]
         block_n = self.skinny_block_n
         blocks = triton.cdiv(n, block_n)
-        if self.skinny_resident:
-            # shares of k one register tile each
-            k_split = block_k = self.skinny_resident_k
-        else:
-            # Shares of k enough for ~2 programs per SM (small products need them to fetch their
-            # weights in parallel), each at least 256 wide; a share starts on a 128-byte line.
-            splits = max(1, min(triton.cdiv(2 * devices.sm_count(x.device), blocks), k // 256))
-            k_split = triton.cdiv(triton.cdiv(k, splits), 64) * 64
-            block_k = self.skinny_block_k
+        # Shares of k enough for ~2 programs per SM (small products need them to fetch their
+        # weights in parallel), each at least 256 wide; a share starts on a 128-byte line.
+        splits = max(1, min(triton.cdiv(2 * devices.sm_count(x.device), blocks), k // 256))
+        k_split = triton.cdiv(triton.cdiv(k, splits), 64) * 64
         splits = triton.cdiv(k, k_split)
         out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
         part = torch.empty(splits, 16, n, dtype=torch.float32, device=x.device) if splits > 1 else out
@@ -568,7 +552,7 @@ class TritonOps(TorchOps):
         _skinny_linear_kernel[(blocks, splits)](
             x, weight, bias if bias is not None else weight, out, part, counter, rows, n, k, k_split, k, x.stride(0),
             out.stride(0), HAS_BIAS=bias is not None, SILU=silu, SPLITS=splits, BLOCK_M=16, BLOCK_N=block_n,
-            BLOCK_K=block_k, LINES=triton.next_power_of_2(triton.cdiv(k_split, 64)), RESIDENT=self.skinny_resident,
+            BLOCK_K=self.skinny_block_k, LINES=triton.next_power_of_2(triton.cdiv(k_split, 64)),
             num_warps=self.skinny_warps, num_stages=self.skinny_stages, launch_pdl=self.pdl)
         return out
 
