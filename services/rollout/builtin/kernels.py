@@ -503,7 +503,7 @@ class TritonOps(TorchOps):
         key = (device, size, kind)
         if key not in self._counters:
             if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-                raise RuntimeError("decode_attention: run it once before capturing a graph of it")
+                raise RuntimeError(f"{kind} kernel: run it once before capturing a graph of it")
             self._counters[key] = torch.zeros(max(size, 1), dtype=torch.int32, device=device)
         return self._counters[key]
 
