@@ -7,7 +7,7 @@ each starts before the one before it ends (programmatic dependent launch, Hopper
 - `qk_rope_cache`: Qwen3's q/k norm, RoPE, and the key/value store into the paged cache;
 - `decode_attention`: split-K paged attention for one query token per row; each program takes
   one KV head and all the query heads that share it, reading each cached key once, and the
-  splits are merged by a second small kernel;
+  last split of a row to finish merges them (one launch);
 - `silu_mul`: the gated MLP's activation;
 - `skinny_linear`: a small batch's attention products, their weights fetched into L2 while the
   kernel before still runs;
@@ -182,6 +182,14 @@ def _decode_attention_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, len_ptr, out_ptr, ac
 
 
 @triton.jit
+def _silu_times(gate, up):
+    """silu(gate) * up, rounded as the decoder rounds: the activation to gate's dtype, then the product."""
+    g = gate.to(tl.float32)
+    act = (g / (1.0 + tl.exp(-g))).to(gate.dtype).to(tl.float32)
+    return (act * up.to(tl.float32)).to(gate.dtype)
+
+
+@triton.jit
 def _silu_mul_kernel(gate_ptr, up_ptr, out_ptr, n_cols, stride_gate, stride_up, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -190,9 +198,7 @@ def _silu_mul_kernel(gate_ptr, up_ptr, out_ptr, n_cols, stride_gate, stride_up, 
     tl.extra.cuda.gdc_launch_dependents()
     gate = tl.load(gate_ptr + row * stride_gate + cols, mask=mask, other=0.0)
     up = tl.load(up_ptr + row * stride_up + cols, mask=mask, other=0.0)
-    g = gate.to(tl.float32)
-    act = (g / (1.0 + tl.exp(-g))).to(gate.dtype).to(tl.float32)
-    tl.store(out_ptr + row * n_cols + cols, (act * up.to(tl.float32)).to(gate.dtype), mask=mask)
+    tl.store(out_ptr + row * n_cols + cols, _silu_times(gate, up), mask=mask)
 
 
 @triton.jit
@@ -217,10 +223,7 @@ def _load_xt(x_ptr, up_offset, m, m_ok, kk, k_ok, stride_x, SILU: tl.constexpr):
     x_mask = m_ok[None, :] & k_ok[:, None]
     if SILU:
         gate = tl.load(x_ptr + x_offs, mask=x_mask, other=0.0)
-        up = tl.load(x_ptr + up_offset + x_offs, mask=x_mask, other=0.0)
-        g = gate.to(tl.float32)
-        act = (g / (1.0 + tl.exp(-g))).to(gate.dtype).to(tl.float32)
-        return (act * up.to(tl.float32)).to(gate.dtype)
+        return _silu_times(gate, tl.load(x_ptr + up_offset + x_offs, mask=x_mask, other=0.0))
     else:
         return tl.load(x_ptr + x_offs, mask=x_mask, other=0.0)
 
@@ -238,8 +241,8 @@ def _skinny_linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, count_ptr, row
     launch it starts while the kernel before it (whose output is x) still runs, so the weight
     bytes come in from memory during that kernel instead of after it. (Loading the tile into the
     program instead measured the same for q/k/v and o, and worse for the MLP products; see
-    bench/results/skinny_pdl-experiment-5-*.) With SILU, x is silu(gate) * up of the gated MLP (gate at x, up `up_offset` columns
-    on), rounded as `silu_mul` rounds. With SPLITS > 1 each program writes its float32 partial
+    bench/results/skinny_pdl-experiment-5-*.) With SILU, x is silu(gate) * up of the gated MLP
+    (gate at x, up `up_offset` columns on), rounded as `silu_mul` rounds. With SPLITS > 1 each program writes its float32 partial
     and the last of a column block's programs to finish (an atomic count) adds them in split
     order: one launch, and the same sum whatever order the programs finish in."""
     pid = tl.program_id(0)
