@@ -201,6 +201,9 @@ def _silu_mul_kernel(gate_ptr, up_ptr, out_ptr, n_cols, stride_gate, stride_up, 
     tl.store(out_ptr + row * n_cols + cols, _silu_times(gate, up), mask=mask)
 
 
+SKINNY_BLOCK_M = 16  # rows of `_skinny_linear_kernel`'s tile: the matrix unit's narrowest side
+
+
 @triton.jit
 def _prefetch_l2(ptrs):
     """Ask L2 for the 128-byte lines at `ptrs`, kept there ahead of other lines; no register waits."""
@@ -441,7 +444,7 @@ class TritonOps(TorchOps):
     # the MLP's (9-55 MB) cuBLAS streams better. H200, decode step at batch 16, 0.5B shape:
     # cuBLAS 983 us, all products skinny 997, those up to 8 MB 918, up to 10 MB 937; 1.5B 1690,
     # 2085, 1622 (bench/experiments/skinny_pdl.py, bench/results/skinny_pdl-experiment-*.txt).
-    skinny_rows = 16
+    skinny_rows = 16  # at most SKINNY_BLOCK_M
     skinny_max_bytes = 8 << 20
     skinny_block_n = 64  # weight rows per program: one warpgroup's matrix-unit tile (n32: 0.5B 947 us)
     skinny_block_k = 128
@@ -535,7 +538,7 @@ class TritonOps(TorchOps):
         return self._skinny_linear(gate, weight, bias, silu=True)
 
     def _skinny(self, x, weight) -> bool:
-        return (x.shape[0] <= min(self.skinny_rows, 16) and x.dtype in (torch.bfloat16, torch.float16)
+        return (x.shape[0] <= min(self.skinny_rows, SKINNY_BLOCK_M) and x.dtype in (torch.bfloat16, torch.float16)
                 and weight.numel() * weight.element_size() <= self.skinny_max_bytes
                 and weight.dtype == x.dtype and weight.is_contiguous() and x.stride(1) == 1)
 
@@ -550,11 +553,11 @@ class TritonOps(TorchOps):
         k_split = triton.cdiv(triton.cdiv(k, splits), 64) * 64
         splits = triton.cdiv(k, k_split)
         out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
-        part = torch.empty(splits, 16, n, dtype=torch.float32, device=x.device) if splits > 1 else out
+        part = torch.empty(splits, SKINNY_BLOCK_M, n, dtype=torch.float32, device=x.device) if splits > 1 else out
         counter = self._counter(x.device, blocks, "linear") if splits > 1 else out
         _skinny_linear_kernel[(blocks, splits)](
             x, weight, bias if bias is not None else weight, out, part, counter, rows, n, k, k_split, k, x.stride(0),
-            out.stride(0), HAS_BIAS=bias is not None, SILU=silu, SPLITS=splits, BLOCK_M=16, BLOCK_N=block_n,
+            out.stride(0), HAS_BIAS=bias is not None, SILU=silu, SPLITS=splits, BLOCK_M=SKINNY_BLOCK_M, BLOCK_N=block_n,
             BLOCK_K=self.skinny_block_k, LINES=triton.next_power_of_2(triton.cdiv(k_split, 64)),
             num_warps=self.skinny_warps, num_stages=self.skinny_stages, launch_pdl=self.pdl)
         return out
