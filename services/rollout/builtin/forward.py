@@ -124,8 +124,9 @@ class PagedDecoder:
             x = ops.linear(attend(index, q), attn.o_proj.weight, attn.o_proj.bias)
             h, residual = ops.add_rmsnorm(x, residual, layer.post_attention_layernorm.weight, eps)
             if self.fused is not None:
-                x = ops.linear(ops.gated_up(h, self.fused[index].gate_up), mlp.down_proj.weight, mlp.down_proj.bias)
+                gate, up = ops.linear(h, self.fused[index].gate_up).chunk(2, dim=-1)
             else:
-                x = ops.silu_mul_linear(mlp.gate_proj(h), mlp.up_proj(h), mlp.down_proj.weight, mlp.down_proj.bias)
+                gate, up = mlp.gate_proj(h), mlp.up_proj(h)
+            x = ops.silu_mul_linear(gate, up, mlp.down_proj.weight, mlp.down_proj.bias)
         h, _ = ops.add_rmsnorm(x, residual, self.model.model.norm.weight, eps)
         return h

@@ -21,7 +21,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 from services import devices
 
@@ -233,10 +232,10 @@ def _load_xt(x_ptr, up_offset, m, m_ok, kk, k_ok, stride_x, SILU: tl.constexpr):
 
 
 @triton.jit
-def _skinny_linear_kernel(x_ptr, w_ptr, w_desc, b_ptr, out_ptr, part_ptr, count_ptr, rows, n, k, k_split, up_offset,
+def _skinny_linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, count_ptr, rows, n, k, k_split, up_offset,
                           stride_x, stride_out, HAS_BIAS: tl.constexpr, SILU: tl.constexpr, SPLITS: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                          LINES: tl.constexpr, TMA: tl.constexpr):
+                          LINES: tl.constexpr):
     """out [rows, n] = x [rows, k] @ w [n, k]^T (+ bias) for a decode step's few rows (at most
     BLOCK_M): one program per (BLOCK_N output columns, share of k), the weight's rows on the
     matrix unit's long side.
@@ -266,10 +265,7 @@ def _skinny_linear_kernel(x_ptr, w_ptr, w_desc, b_ptr, out_ptr, part_ptr, count_
     for first in range(k_start, k_end, BLOCK_K):
         kk = first + tl.arange(0, BLOCK_K)
         k_ok = kk < k_end
-        if TMA:  # the tensor memory accelerator copies the tile; k_split is a multiple of BLOCK_K
-            w = w_desc.load([pid * BLOCK_N, first])
-        else:
-            w = tl.load(rows_w[:, None] + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(rows_w[:, None] + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         acc = tl.dot(w, _load_xt(x_ptr, up_offset, m, m_ok, kk, k_ok, stride_x, SILU), acc)  # [BLOCK_N, BLOCK_M]
     out_mask = n_ok[:, None] & m_ok[None, :]
     if SPLITS == 1:
@@ -286,72 +282,6 @@ def _skinny_linear_kernel(x_ptr, w_ptr, w_desc, b_ptr, out_ptr, part_ptr, count_
                 total += tl.load(part + other * BLOCK_M * n, mask=out_mask, other=0.0, cache_modifier=".cg")
             _finish_linear(total, b_ptr, out_ptr, cols, n_ok, m, stride_out, out_mask, HAS_BIAS)
             tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")  # ready for the next launch
-
-@triton.jit
-def _skinny_gated_kernel(x_ptr, w_ptr, w_desc, out_ptr, part_ptr, count_ptr, rows, inter, k, k_split, stride_x,
-                         stride_out, SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                         BLOCK_K: tl.constexpr, LINES: tl.constexpr, TMA: tl.constexpr):
-    """out [rows, inter] = silu(x @ gate^T) * (x @ up^T) for a decode step's few rows, w [2 inter, k]
-    the gate rows then the up rows (`forward.fuse_projections`): the gated MLP's first product
-    and its activation in one kernel. Each program takes BLOCK_N gate rows and the same up rows
-    (two tiles, so its columns of the activation are whole) over a share of k; as
-    `_skinny_linear_kernel` otherwise (the tiles asked of L2 before the wait, float32 partials
-    added in split order by the last program of a column block). The products are rounded to
-    x's dtype before the activation, as the decoder rounds them."""
-    pid = tl.program_id(0)
-    split = tl.program_id(1)
-    cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = cols < inter
-    k_start = split * k_split
-    k_end = tl.minimum(k_start + k_split, k)
-    gate_w = w_ptr + cols.to(tl.int64) * k  # [BLOCK_N] row starts
-    up_w = gate_w + inter.to(tl.int64) * k
-    line = k_start + tl.arange(0, LINES) * 64  # a 128-byte line holds 64 bf16
-    fetch = n_ok[:, None] & (line < k_end)[None, :]
-    _prefetch_l2(tl.where(fetch, gate_w[:, None] + line[None, :], w_ptr))
-    _prefetch_l2(tl.where(fetch, up_w[:, None] + line[None, :], w_ptr))
-    tl.extra.cuda.gdc_wait()  # the kernel before this one (x's writer) has finished
-    tl.extra.cuda.gdc_launch_dependents()
-    m = tl.arange(0, BLOCK_M)
-    m_ok = m < rows
-    acc_gate = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
-    acc_up = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
-    for first in range(k_start, k_end, BLOCK_K):
-        kk = first + tl.arange(0, BLOCK_K)
-        k_ok = kk < k_end
-        xt = tl.load(x_ptr + m[None, :] * stride_x + kk[:, None], mask=m_ok[None, :] & k_ok[:, None], other=0.0)
-        if TMA:  # k_split is a multiple of BLOCK_K
-            gate = w_desc.load([pid * BLOCK_N, first])
-            up = w_desc.load([inter + pid * BLOCK_N, first])
-        else:
-            w_mask = n_ok[:, None] & k_ok[None, :]
-            gate = tl.load(gate_w[:, None] + kk[None, :], mask=w_mask, other=0.0)
-            up = tl.load(up_w[:, None] + kk[None, :], mask=w_mask, other=0.0)
-        acc_gate = tl.dot(gate, xt, acc_gate)  # [BLOCK_N, BLOCK_M]
-        acc_up = tl.dot(up, xt, acc_up)
-    out_mask = n_ok[:, None] & m_ok[None, :]
-    out_offs = m[None, :] * stride_out + cols[:, None]
-    dtype = out_ptr.dtype.element_ty
-    if SPLITS == 1:
-        tl.store(out_ptr + out_offs, _silu_times(acc_gate.to(dtype), acc_up.to(dtype)), mask=out_mask)
-    else:
-        part = part_ptr + m[None, :] * inter + cols[:, None]  # partials [SPLITS, 2, BLOCK_M, inter]
-        tl.store(part + (2 * split) * BLOCK_M * inter, acc_gate, mask=out_mask)
-        tl.store(part + (2 * split + 1) * BLOCK_M * inter, acc_up, mask=out_mask)
-        tl.debug_barrier()  # every thread's partials are written before the count says so
-        counter = count_ptr + pid
-        if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == SPLITS - 1:
-            tl.debug_barrier()
-            total_gate = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
-            total_up = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
-            for other in tl.static_range(SPLITS):
-                total_gate += tl.load(part + (2 * other) * BLOCK_M * inter, mask=out_mask, other=0.0,
-                                      cache_modifier=".cg")
-                total_up += tl.load(part + (2 * other + 1) * BLOCK_M * inter, mask=out_mask, other=0.0,
-                                    cache_modifier=".cg")
-            tl.store(out_ptr + out_offs, _silu_times(total_gate.to(dtype), total_up.to(dtype)), mask=out_mask)
-            tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")  # ready for the next launch
-
 
 @triton.jit
 def _hash32(x):
@@ -496,21 +426,6 @@ def _sample_record_kernel(part_ptr, tok_part_ptr, logits_ptr, stride_logits, sta
         tl.store(positions_ptr + row, tl.load(positions_ptr + row) + 1)
 
 
-def _k_shares(k: int, blocks: int, device: torch.device, multiple: int) -> tuple[int, int]:
-    """(shares, share width) of k for a small-batch product of `blocks` column blocks: enough
-    for ~2 programs per SM (small products need them to fetch their weights in parallel), each at
-    least 256 wide and a multiple of `multiple` (64: a 128-byte line of bf16; a TMA tile's width)."""
-    splits = max(1, min(triton.cdiv(2 * devices.sm_count(device), blocks), k // 256))
-    k_split = triton.cdiv(triton.cdiv(k, splits), multiple) * multiple
-    return triton.cdiv(k, k_split), k_split
-
-
-def _tma_ready(weight: torch.Tensor) -> bool:
-    """Whether the tensor memory accelerator (Hopper on) can copy tiles of this weight."""
-    return (weight.is_cuda and torch.cuda.get_device_capability(weight.device)[0] >= 9
-            and weight.data_ptr() % 16 == 0 and (weight.stride(0) * weight.element_size()) % 16 == 0)
-
-
 class TritonOps(TorchOps):
     """The GPU ops: each a Triton kernel with the reference's signature (prefill attention and
     top-k / top-p filtering stay on torch: flash attention and sorting are already kernels)."""
@@ -535,15 +450,6 @@ class TritonOps(TorchOps):
     skinny_block_k = 128
     skinny_warps = 4
     skinny_stages = 3
-    skinny_tma = False
-    # The gated MLP's first product and its activation in one kernel (`_skinny_gated_kernel`) for
-    # at most `gated_rows` rows; more rows take cuBLAS and `silu_mul`.
-    gated_rows = 16
-    gated_block_n = 64
-    gated_block_k = 64
-    gated_warps = 4
-    gated_stages = 4
-    gated_tma = True
 
     def add_rmsnorm(self, x, residual, weight, eps):
         rows, cols = x.shape
@@ -639,40 +545,21 @@ class TritonOps(TorchOps):
     def _skinny_linear(self, x, weight, bias, silu: bool):
         rows, k = x.shape
         n = weight.shape[0]
-        block_n, block_k = self.skinny_block_n, self.skinny_block_k
+        block_n = self.skinny_block_n
         blocks = triton.cdiv(n, block_n)
-        tma = self.skinny_tma and _tma_ready(weight)
-        splits, k_split = _k_shares(k, blocks, x.device, block_k if tma else 64)
+        # Shares of k enough for ~2 programs per SM (small products need them to fetch their
+        # weights in parallel), each at least 256 wide; a share starts on a 128-byte line.
+        splits = max(1, min(triton.cdiv(2 * devices.sm_count(x.device), blocks), k // 256))
+        k_split = triton.cdiv(triton.cdiv(k, splits), 64) * 64
+        splits = triton.cdiv(k, k_split)
         out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
         part = torch.empty(splits, SKINNY_BLOCK_M, n, dtype=torch.float32, device=x.device) if splits > 1 else out
         counter = self._counter(x.device, blocks, "linear") if splits > 1 else out
-        desc = TensorDescriptor.from_tensor(weight, [block_n, block_k]) if tma else weight
         _skinny_linear_kernel[(blocks, splits)](
-            x, weight, desc, bias if bias is not None else weight, out, part, counter, rows, n, k, k_split, k,
-            x.stride(0), out.stride(0), HAS_BIAS=bias is not None, SILU=silu, SPLITS=splits, BLOCK_M=SKINNY_BLOCK_M,
-            BLOCK_N=block_n, BLOCK_K=block_k, LINES=triton.next_power_of_2(triton.cdiv(k_split, 64)), TMA=tma,
+            x, weight, bias if bias is not None else weight, out, part, counter, rows, n, k, k_split, k, x.stride(0),
+            out.stride(0), HAS_BIAS=bias is not None, SILU=silu, SPLITS=splits, BLOCK_M=SKINNY_BLOCK_M, BLOCK_N=block_n,
+            BLOCK_K=self.skinny_block_k, LINES=triton.next_power_of_2(triton.cdiv(k_split, 64)),
             num_warps=self.skinny_warps, num_stages=self.skinny_stages, launch_pdl=self.pdl)
-        return out
-
-    def gated_up(self, x, weight):
-        if not (x.shape[0] <= min(self.gated_rows, SKINNY_BLOCK_M) and x.dtype in (torch.bfloat16, torch.float16)
-                and weight.dtype == x.dtype and weight.is_contiguous() and x.stride(1) == 1 and weight.shape[0] % 2 == 0):
-            return super().gated_up(x, weight)
-        rows, k = x.shape
-        inter = weight.shape[0] // 2
-        block_n, block_k = self.gated_block_n, self.gated_block_k
-        blocks = triton.cdiv(inter, block_n)
-        tma = self.gated_tma and _tma_ready(weight)
-        splits, k_split = _k_shares(k, blocks, x.device, block_k if tma else 64)
-        out = torch.empty(rows, inter, dtype=x.dtype, device=x.device)
-        part = torch.empty(splits, 2, SKINNY_BLOCK_M, inter, dtype=torch.float32, device=x.device) if splits > 1 else out
-        counter = self._counter(x.device, blocks, "gated") if splits > 1 else out
-        desc = TensorDescriptor.from_tensor(weight, [block_n, block_k]) if tma else weight
-        _skinny_gated_kernel[(blocks, splits)](
-            x, weight, desc, out, part, counter, rows, inter, k, k_split, x.stride(0), out.stride(0), SPLITS=splits,
-            BLOCK_M=SKINNY_BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k,
-            LINES=triton.next_power_of_2(triton.cdiv(k_split, 64)), TMA=tma, num_warps=self.gated_warps,
-            num_stages=self.gated_stages, launch_pdl=self.pdl)
         return out
 
     def silu_mul(self, gate, up):

@@ -94,13 +94,6 @@ class TorchOps:
         """x [T, K] times weight [N, K] transposed, plus bias [N]: [T, N], as `nn.Linear`."""
         return F.linear(x, weight, bias)
 
-    def gated_up(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """The gated MLP's first product and its activation: silu(gate) * up where gate and up are
-        x [T, K] times the halves of weight [2 I, K] (the gate rows, then the up rows), each
-        product rounded to x's dtype first, as the decoder does; [T, I]."""
-        gate, up = self.linear(x, weight).chunk(2, dim=-1)
-        return self.silu_mul(gate, up)
-
     def silu_mul_linear(self, gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor,
                         bias: torch.Tensor | None = None) -> torch.Tensor:
         """The gated MLP's down product: linear(silu(gate) * up), the activation rounded to the
