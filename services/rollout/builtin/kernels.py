@@ -21,7 +21,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 from services import devices
 
@@ -285,55 +284,6 @@ def _skinny_linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, count_ptr, row
             tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")  # ready for the next launch
 
 @triton.jit
-def _splitk_linear_kernel(a_desc, w_desc, b_ptr, out_ptr, part_ptr, count_ptr, rows, n, k, k_split, up_offset,
-                          stride_out, HAS_BIAS: tl.constexpr, SILU: tl.constexpr, SPLITS: tl.constexpr,
-                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """out [rows, n] = a [rows, k] @ w [n, k]^T (+ bias) for a decode step of tens to hundreds of
-    rows. With SILU, a is the gated MLP's activation silu(gate) * up, made as the tiles are read
-    (gate at column 0 of a_desc's rows, up `up_offset` columns on; rounded as `silu_mul` rounds),
-    so it is never written. Tiles come by the tensor memory accelerator; past the tensors'
-    ends they are zeros. One program per (BLOCK_M rows, BLOCK_N columns, share of k): with SPLITS
-    > 1 the last of a tile's programs to finish (an atomic count) adds the float32 partials in
-    split order, so the sum does not depend on which finishes first (cuBLAS, for these shapes,
-    splits k and adds in a second kernel)."""
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    split = tl.program_id(2)
-    k_start = split * k_split  # a multiple of BLOCK_K
-    k_end = tl.minimum(k_start + k_split, k)
-    row0 = pid_m * BLOCK_M
-    col0 = pid_n * BLOCK_N
-    tl.extra.cuda.gdc_wait()  # the kernel before this one (gate and up's writer) has finished
-    tl.extra.cuda.gdc_launch_dependents()
-    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    for first in range(k_start, k_end, BLOCK_K):
-        if SILU:  # columns past k read up's first columns as gate, and zeros as up: silu(gate) * 0 = 0
-            act = _silu_times(a_desc.load([row0, first]), a_desc.load([row0, up_offset + first]))
-        else:
-            act = a_desc.load([row0, first])
-        acc = tl.dot(act, w_desc.load([col0, first]).T, acc)
-    m = row0 + tl.arange(0, BLOCK_M)
-    cols = col0 + tl.arange(0, BLOCK_N)
-    out_mask = (m < rows)[:, None] & (cols < n)[None, :]
-    if SPLITS == 1:
-        _finish_linear(acc.T, b_ptr, out_ptr, cols, cols < n, m, stride_out, out_mask.T, HAS_BIAS)
-    else:
-        tile = pid_m * tl.num_programs(1) + pid_n
-        part = part_ptr + (tile * SPLITS) * BLOCK_M * BLOCK_N + tl.arange(0, BLOCK_M)[:, None] * BLOCK_N \
-            + tl.arange(0, BLOCK_N)[None, :]  # partials [tiles, SPLITS, BLOCK_M, BLOCK_N]
-        tl.store(part + split * BLOCK_M * BLOCK_N, acc)
-        tl.debug_barrier()  # every thread's partial is written before the count says so
-        counter = count_ptr + tile
-        if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == SPLITS - 1:
-            tl.debug_barrier()
-            total = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-            for other in tl.static_range(SPLITS):
-                total += tl.load(part + other * BLOCK_M * BLOCK_N, cache_modifier=".cg")
-            _finish_linear(total.T, b_ptr, out_ptr, cols, cols < n, m, stride_out, out_mask.T, HAS_BIAS)
-            tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")  # ready for the next launch
-
-
-@triton.jit
 def _hash32(x):
     """`sampling.hash32` in uint32: products wrap at 2**32, as the reference's masks make them."""
     x = ((x >> 16) ^ x) * 0x45D9F3B
@@ -476,13 +426,6 @@ def _sample_record_kernel(part_ptr, tok_part_ptr, logits_ptr, stride_logits, sta
         tl.store(positions_ptr + row, tl.load(positions_ptr + row) + 1)
 
 
-def _tma_ready(*tensors: torch.Tensor) -> bool:
-    """Whether the tensor memory accelerator (Hopper on) can copy tiles of these 2-D tensors."""
-    return all(t.is_cuda and torch.cuda.get_device_capability(t.device)[0] >= 9 and t.stride(-1) == 1
-               and t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0
-               and t.dtype in (torch.bfloat16, torch.float16) for t in tensors)
-
-
 class TritonOps(TorchOps):
     """The GPU ops: each a Triton kernel with the reference's signature (prefill attention and
     top-k / top-p filtering stay on torch: flash attention and sorting are already kernels)."""
@@ -507,14 +450,6 @@ class TritonOps(TorchOps):
     skinny_block_k = 128
     skinny_warps = 4
     skinny_stages = 3
-    # The down product of rows in this range, with its SiLU, as `_splitk_linear_kernel` (Hopper on);
-    # outside it, `silu_mul` and then the product on cuBLAS (or the small-batch kernel).
-    splitk_rows = (17, 512)
-    splitk_block_n = 128
-    splitk_block_k = 64
-    splitk_stages = 3
-    splitk_fuse_silu = True
-    splitk_all = False  # the other products of rows in the range too, where k is split at least in two
 
     def add_rmsnorm(self, x, residual, weight, eps):
         rows, cols = x.shape
@@ -590,51 +525,17 @@ class TritonOps(TorchOps):
                                         launch_pdl=self.pdl)
 
     def linear(self, x, weight, bias=None):
-        if self._skinny(x, weight):
-            return self._skinny_linear(x, weight, bias, silu=False)
-        if self.splitk_all and self._splitk(x, weight):
-            return self._splitk_linear(x, weight, bias, silu=False)
-        return super().linear(x, weight, bias)
+        if not self._skinny(x, weight):
+            return super().linear(x, weight, bias)
+        return self._skinny_linear(x, weight, bias, silu=False)
 
     def silu_mul_linear(self, gate, up, weight, bias=None):
         # gate and up are the halves of one [T, 2 I] product (`forward.fuse_projections`)
         halves = (up.data_ptr() - gate.data_ptr() == gate.shape[1] * gate.element_size()
                   and gate.stride() == up.stride() and gate.stride(1) == 1)
-        if halves and self._skinny(gate, weight):
-            return self._skinny_linear(gate, weight, bias, silu=True)
-        if halves and self.splitk_fuse_silu and self._splitk(gate, weight):
-            return self._splitk_linear(gate, weight, bias, silu=True)
-        return super().silu_mul_linear(gate, up, weight, bias)
-
-    def _splitk(self, x, weight) -> bool:
-        if not (self.splitk_rows[0] <= x.shape[0] <= self.splitk_rows[1] and weight.dtype == x.dtype
-                and _tma_ready(x, weight)):
-            return False
-        block_m = 64 if x.shape[0] <= 64 else 128
-        tiles = triton.cdiv(x.shape[0], block_m) * triton.cdiv(weight.shape[0], self.splitk_block_n)
-        return 2 * tiles <= devices.sm_count(x.device)  # k split at least in two
-
-    def _splitk_linear(self, x, weight, bias, silu: bool):
-        rows, k = x.shape
-        n = weight.shape[0]
-        block_m = 64 if rows <= 64 else 128
-        block_n, block_k = self.splitk_block_n, self.splitk_block_k
-        # The whole GPU in one wave: shares of k for as many programs as fit one per SM.
-        tiles = triton.cdiv(rows, block_m) * triton.cdiv(n, block_n)
-        splits = max(1, min(devices.sm_count(x.device) // tiles, k // (2 * block_k)))
-        k_split = triton.cdiv(triton.cdiv(k, splits), block_k) * block_k
-        splits = triton.cdiv(k, k_split)
-        out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
-        part = torch.empty(tiles, splits, block_m, block_n, dtype=torch.float32, device=x.device) if splits > 1 else out
-        counter = self._counter(x.device, tiles, "splitk") if splits > 1 else out
-        # With silu, x is gate, and gate and up are one [rows, 2 k] tensor, its rows `x.stride(0)` apart
-        a = torch.as_strided(x, (rows, 2 * k), (x.stride(0), 1)) if silu else x
-        _splitk_linear_kernel[(triton.cdiv(rows, block_m), triton.cdiv(n, block_n), splits)](
-            TensorDescriptor.from_tensor(a, [block_m, block_k]), TensorDescriptor.from_tensor(weight, [block_n, block_k]),
-            bias if bias is not None else weight, out, part, counter, rows, n, k, k_split, k, out.stride(0),
-            HAS_BIAS=bias is not None, SILU=silu, SPLITS=splits, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-            num_warps=4 if block_m == 64 else 8, num_stages=self.splitk_stages, launch_pdl=self.pdl)
-        return out
+        if not (halves and self._skinny(gate, weight)):
+            return super().silu_mul_linear(gate, up, weight, bias)
+        return self._skinny_linear(gate, weight, bias, silu=True)
 
     def _skinny(self, x, weight) -> bool:
         return (x.shape[0] <= min(self.skinny_rows, SKINNY_BLOCK_M) and x.dtype in (torch.bfloat16, torch.float16)
