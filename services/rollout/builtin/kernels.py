@@ -437,6 +437,8 @@ class TritonOps(TorchOps):
     # step ~1%. Split rows (small batches) keep 32, the fastest there, as do float32 and heads
     # wider than 128, whose 64-row tiles may not fit shared memory.
     unsplit_tile = 64
+    attention_warps = 4  # 2 warps or 3 stages: within 2% (bench/results/attention_splits-experiment-*)
+    attention_stages = 2
     # Products of at most `skinny_rows` rows (a small batch's decode step) whose weight is at most
     # `skinny_max_bytes` run as `_skinny_linear_kernel` (bf16 and fp16); the rest go to cuBLAS.
     # That kernel asks L2 for its weight while the kernel before it still runs, which pays where
@@ -499,7 +501,8 @@ class TritonOps(TorchOps):
             q, k_cache, v_cache, block_tables, seq_lens, out, acc, ml, self._counter(q.device, batch * num_kv_heads, "attention"),
             block_tables.stride(0), head_dim**-0.5, NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=group,
             GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, DIM_PAD=dim_pad, BLOCK_SIZE=block_size,
-            BLOCK_N=block_n, NUM_SPLITS=num_splits, IEEE=q.dtype == torch.float32, num_warps=4, num_stages=2,
+            BLOCK_N=block_n, NUM_SPLITS=num_splits, IEEE=q.dtype == torch.float32, num_warps=self.attention_warps,
+            num_stages=self.attention_stages,
             launch_pdl=self.pdl)
         return out
 

@@ -97,6 +97,10 @@ class NewRow:
 
 
 class ModelRunner:
+    # Decode attention splits a row's tokens for this many programs an SM (4, 8 and 16 measured
+    # within 2% either way: bench/results/attention_splits-experiment-*).
+    split_programs_per_sm = 2
+
     def __init__(self, decoder: PagedDecoder, cache: PagedKVCache, *, capacity: int, max_new_tokens: int,
                  max_blocks_per_row: int, use_graphs: bool):
         self.decoder, self.cache = decoder, cache
@@ -231,7 +235,7 @@ class ModelRunner:
         if self.device.type != "cuda":
             return 1
         programs = batch * self.decoder.config.num_key_value_heads
-        return max(1, min(16, -(-2 * devices.sm_count(self.device) // programs)))
+        return max(1, min(16, -(-self.split_programs_per_sm * devices.sm_count(self.device) // programs)))
 
     def _record(self, logits: torch.Tensor, start: int, mode: StepMode) -> None:
         """Sample from logits [b, V] for slots start.., record the tokens, advance the rows."""
