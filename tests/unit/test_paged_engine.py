@@ -172,27 +172,3 @@ def test_padded_host_tensors_hold_the_rows_and_their_fill():
         padded([[1, 2, 3]], 2, 0, torch.int32)
     with pytest.raises(OverflowError):  # an int32 table never wraps a block id silently
         padded([[2**31]], 1, 0, torch.int32)
-
-
-def test_mlp_rows_past_the_batch_never_reach_a_result(monkeypatch):
-    """On a GPU the MLP's products of a small batch run at more rows than it has (`mlp_rows`: cuBLAS
-    picks a kernel that uses more of the GPU). Those rows are whatever memory held; here NaN. The
-    results must be those of the rows as they are, bit for bit (each row's products are its own)."""
-    from services.rollout.builtin.ops import TorchOps
-
-    model = _model(dtype=torch.float32)
-    sampling = Sampling(temperature=1.0, max_new_tokens=8, n=2, seed=5, ignore_eos=True)
-    prompts = [LONG, _prompts()[1]]
-    plain = _core(model, max_batch_size=4).generate(prompts, sampling)
-    norm = TorchOps.add_rmsnorm
-
-    def nan_padded(self, x, residual, weight, eps, out_rows=0):
-        normed, summed = norm(self, x, residual, weight, eps, out_rows)
-        normed[x.shape[0]:] = float("nan")
-        return normed, summed
-
-    monkeypatch.setattr(TorchOps, "mlp_rows", lambda self, tokens: tokens + 5)
-    monkeypatch.setattr(TorchOps, "add_rmsnorm", nan_padded)
-    padded = _core(model, max_batch_size=4).generate(prompts, sampling)
-    assert [r.output_ids for r in padded] == [r.output_ids for r in plain]
-    assert [r.logprobs for r in padded] == [r.logprobs for r in plain]

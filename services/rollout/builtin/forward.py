@@ -122,12 +122,11 @@ class PagedDecoder:
             q = ops.qk_rope_cache(q, k, v, getattr(attn.q_norm, "weight", None), getattr(attn.k_norm, "weight", None),
                                   eps, self.rope, positions, slots, k_cache, v_cache)  # [T, H, D]
             x = ops.linear(attend(index, q), attn.o_proj.weight, attn.o_proj.bias)
-            h, residual = ops.add_rmsnorm(x, residual, layer.post_attention_layernorm.weight, eps,
-                                          out_rows=ops.mlp_rows(tokens.shape[0]))
+            h, residual = ops.add_rmsnorm(x, residual, layer.post_attention_layernorm.weight, eps)
             if self.fused is not None:
                 gate, up = ops.linear(h, self.fused[index].gate_up).chunk(2, dim=-1)
             else:
                 gate, up = mlp.gate_proj(h), mlp.up_proj(h)
-            x = ops.silu_mul_linear(gate, up, mlp.down_proj.weight, mlp.down_proj.bias)[: tokens.shape[0]]
+            x = ops.silu_mul_linear(gate, up, mlp.down_proj.weight, mlp.down_proj.bias)
         h, _ = ops.add_rmsnorm(x, residual, self.model.model.norm.weight, eps)
         return h

@@ -452,25 +452,17 @@ class TritonOps(TorchOps):
     skinny_block_k = 128
     skinny_warps = 4
     skinny_stages = 3
-    # The MLP's products of fewer tokens than this run at this many rows (0: at as many as the
-    # tokens). cuBLAS picks its kernel by the row count, and at 16 rows the 0.5B gate/up product
-    # runs on 76 of the 132 SMs; whether 32 rows run faster is not yet measured
-    # (bench/experiments/mlp_rows.py), so this is off.
-    mlp_pad_rows = 0
 
-    def add_rmsnorm(self, x, residual, weight, eps, out_rows=0):
+    def add_rmsnorm(self, x, residual, weight, eps):
         rows, cols = x.shape
-        out = torch.empty(max(rows, out_rows), cols, dtype=x.dtype, device=x.device)
-        res_out = torch.empty(rows, cols, dtype=x.dtype, device=x.device)
+        out = torch.empty_like(x)
+        res_out = torch.empty_like(x)
         has_res = residual is not None
         _add_rmsnorm_kernel[(rows,)](x, residual if has_res else x, weight, out, res_out, cols, x.stride(0),
                                      residual.stride(0) if has_res else 0, out.stride(0), eps,
                                      HAS_RESIDUAL=has_res, BLOCK=triton.next_power_of_2(cols), num_warps=4,
                                      launch_pdl=self.pdl)
         return out, res_out
-
-    def mlp_rows(self, tokens):
-        return self.mlp_pad_rows if 0 < tokens < self.mlp_pad_rows else tokens
 
     def qk_rope_cache(self, q, k, v, q_norm, k_norm, eps, table, positions, slots, k_cache, v_cache):
         tokens = q.shape[0]

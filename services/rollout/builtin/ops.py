@@ -31,18 +31,11 @@ class TorchOps:
     name = "torch"
 
     def add_rmsnorm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
-                    eps: float, out_rows: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-        """(RMSNorm(x + residual), x + residual) for [T, hidden]; residual None: x alone. With
-        out_rows > T the first has out_rows rows, those past T unspecified (`mlp_rows`)."""
+                    eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """(RMSNorm(x + residual), x + residual) for [T, hidden]; residual None: x alone."""
         summed = x if residual is None else residual + x
-        normed = weight * F.rms_norm(summed.float(), (summed.shape[-1],), eps=eps).to(summed.dtype)
-        if out_rows > normed.shape[0]:
-            normed = torch.cat((normed, normed.new_zeros(out_rows - normed.shape[0], normed.shape[1])))
-        return normed, summed
-
-    def mlp_rows(self, tokens: int) -> int:
-        """Rows the MLP's products run at for `tokens` tokens (the GPU ops may pad a few)."""
-        return tokens
+        normed = F.rms_norm(summed.float(), (summed.shape[-1],), eps=eps)
+        return weight * normed.to(summed.dtype), summed
 
     def qk_rope_cache(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_norm: torch.Tensor | None,
                       k_norm: torch.Tensor | None, eps: float, table: torch.Tensor, positions: torch.Tensor,
