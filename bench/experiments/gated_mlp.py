@@ -1,4 +1,5 @@
-"""A one-off experiment (2026-12-02; its kernels and knobs exist at commit 0f8ca4c only, so run it there): the decode step at small batches with the gated MLP's first
+"""A one-off experiment (2026-12-02; its kernels and knobs exist at commit 0f8ca4c only,
+so run it there): the decode step at small batches with the gated MLP's first
 product and activation in one kernel (`_skinny_gated_kernel`, its weight tiles copied by the
 tensor memory accelerator or by cp.async) against cuBLAS and `silu_mul`, and the attention and
 down products on the small-batch kernel with TMA tiles; alternating in one process on one model.

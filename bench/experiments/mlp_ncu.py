@@ -1,4 +1,5 @@
-"""A one-off experiment (2026-12-02; its kernels and knobs exist at commit 0f8ca4c only, so run it there): the MLP products of a decode step (gate/up, SiLU, down) and
+"""A one-off experiment (2026-12-02; its kernels and knobs exist at commit 0f8ca4c only,
+so run it there): the MLP products of a decode step (gate/up, SiLU, down) and
 the attention's (q/k/v, o), one kernel at a time, cuBLAS against `_skinny_linear_kernel`, for
 Nsight Compute to say where each kernel's time goes (stalls, bytes, occupancy). Only the launches
 between cudaProfilerStart and Stop are profiled; the order is printed.

@@ -1,4 +1,5 @@
-"""A one-off experiment (2026-12-02; its knob exists at commit a33c6bf only, so run it there): the decode step at small batches with the MLP's products
+"""A one-off experiment (2026-12-02; its knob exists at commit a33c6bf only,
+so run it there): the decode step at small batches with the MLP's products
 (cuBLAS) run at more rows than the batch has (the norm before them writes a padded output; the
 rows past the batch are dropped after the down product), since cuBLAS picks its kernel, and how
 many SMs it uses, by the row count: at 16 rows the gate/up product of the 0.5B shape runs on 76

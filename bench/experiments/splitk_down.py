@@ -1,4 +1,5 @@
-"""A one-off experiment (2026-12-02; its kernel and knobs exist at commit e3422d3 only, so run it there): the decode step at batches of 32-256 with the gated MLP's
+"""A one-off experiment (2026-12-02; its kernel and knobs exist at commit e3422d3 only,
+so run it there): the decode step at batches of 32-256 with the gated MLP's
 down product (and its SiLU) on `_splitk_linear_kernel` (TMA tiles, k split so the GPU runs one
 wave, partials added in split order in the same launch) against cuBLAS (split-k and a second
 reduce kernel) after `silu_mul`; alternating in one process on one model. The step time is
