@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import struct
+import time
 from pathlib import Path
 
 import pytest
@@ -198,16 +199,24 @@ def test_wandb_offline_run_records_metrics_without_a_network(tmp_path, monkeypat
 
     (run_dir,) = (tmp_path / "wandb").glob("offline-run-*-abc123")
     (run_file,) = run_dir.glob("run-abc123.wandb")
-    history, summary = [], {}
-    for record in wandb_records(run_file):
-        kind = record.WhichOneof("record_type")
-        if kind == "history":
-            history.append({_key(item): json.loads(item.value_json) for item in record.history.item})
-        elif kind == "summary":
-            summary.update({_key(item): json.loads(item.value_json) for item in record.summary.update})
-        elif kind == "run":
-            assert record.run.project == "rlfleet-test" and record.run.display_name == "job-abc"
-    rewards = [(row["rl_step"], row["rollout/reward_mean"]) for row in history if "rollout/reward_mean" in row]
+    # wandb's service process writes the file; once (CI under load, wandb 0.31.0) it held no
+    # history yet when finish() had returned. What a user syncs later is the file as it ends up,
+    # so read it again for a few seconds before judging it.
+    deadline = time.monotonic() + 15
+    while True:
+        history, summary = [], {}
+        for record in wandb_records(run_file):
+            kind = record.WhichOneof("record_type")
+            if kind == "history":
+                history.append({_key(item): json.loads(item.value_json) for item in record.history.item})
+            elif kind == "summary":
+                summary.update({_key(item): json.loads(item.value_json) for item in record.summary.update})
+            elif kind == "run":
+                assert record.run.project == "rlfleet-test" and record.run.display_name == "job-abc"
+        rewards = [(row["rl_step"], row["rollout/reward_mean"]) for row in history if "rollout/reward_mean" in row]
+        if len(rewards) >= 2 or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
     assert rewards == [(1, 0.25), (2, 0.5)]
     assert [(r["rl_step"], r["eval/heldout/score"]) for r in history if "eval/heldout/score" in r] == [(1, 0.375), (2, 0.375)]
     assert [r["sft/step"] for r in history if "sft/loss" in r] == [1]
