@@ -11,7 +11,6 @@ captured again for each variant.
 
 from __future__ import annotations
 
-import random
 import sys
 from pathlib import Path
 
@@ -19,9 +18,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from bench.rollout import VOCAB, _Ids, make_model, timed  # noqa: E402
-from services.rollout.builtin.core import CoreSettings, GenerationCore  # noqa: E402
-from services.rollout.types import Sampling  # noqa: E402
+from bench.experiments.alternate import alternate, cli, greedy_tail  # noqa: E402
 
 BASE = dict(gated_rows=0, gated_tma=False, gated_block_k=64, gated_stages=4, skinny_tma=False,
             skinny_max_bytes=8 << 20, blas="cublas")
@@ -37,40 +34,15 @@ VARIANTS = {
 }
 
 
-def main() -> None:
-    names = sys.argv[1].split(",") if len(sys.argv) > 1 else list(VARIANTS)
-    batches = [int(b) for b in sys.argv[2].split(",")] if len(sys.argv) > 2 else [16, 1]
-    for shape in ("0.5b", "1.5b"):
-        model = make_model(shape, torch.bfloat16, "cuda")
-        core = GenerationCore(model, _Ids(), torch.device("cuda"), CoreSettings(max_batch_size=256))
-        rng = random.Random(0)
-        for batch in batches:
-            prompts = [[rng.randrange(VOCAB) for _ in range(64)] for _ in range(batch)]
-            full = Sampling(temperature=1.0, max_new_tokens=128, ignore_eos=True, seed=1)
-            one = Sampling(temperature=1.0, max_new_tokens=1, ignore_eos=True, seed=1)
-            greedy = Sampling(temperature=0.0, max_new_tokens=16, ignore_eos=True, seed=1)
-            results = {}
-            for _round in range(2):
-                for name in names:
-                    knobs = {**BASE, **VARIANTS[name]}
-                    torch.backends.cuda.preferred_blas_library(knobs.pop("blas"))
-                    for knob, value in knobs.items():
-                        setattr(core.ops, knob, value)
-                    if core.runner is not None:
-                        core.runner.drop_graphs()
-                    core.generate(prompts, full)  # compile, capture
-                    steps = []
-                    for _ in range(3):
-                        steps.append((timed(lambda: core.generate(prompts, full), "cuda")
-                                      - timed(lambda: core.generate(prompts, one), "cuda")) / 127)
-                    results.setdefault(name, []).append(sorted(steps)[1] * 1e6)
-                    tokens = [r.output_ids[-4:] for r in core.generate(prompts[:2], greedy)]
-                    print(f"{shape} b{batch} {name:22s} step {sorted(steps)[1] * 1e6:7.1f} us  greedy tail {tokens}",
-                          flush=True)
-            print("# summary", shape, batch, {k: [round(v, 1) for v in vs] for k, vs in results.items()}, flush=True)
-        core = model = None
-        torch.cuda.empty_cache()
+def apply(core, name: str) -> None:
+    knobs = {**BASE, **VARIANTS[name]}
+    torch.backends.cuda.preferred_blas_library(knobs.pop("blas"))
+    for knob, value in knobs.items():
+        setattr(core.ops, knob, value)
 
+
+def main() -> None:
+    alternate(*cli(VARIANTS, [16, 1]), apply, describe=greedy_tail)
 
 if __name__ == "__main__":
     main()
