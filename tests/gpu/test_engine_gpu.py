@@ -67,6 +67,20 @@ def test_kernels_compute_what_the_torch_ops_compute(dtype, tolerance):
     expected = ref.decode_attention(query, k_cache, v_cache, tables, lengths, block, 1)
     for splits in (1, 5, 16):
         assert _rel(tri.decode_attention(query, k_cache, v_cache, tables, lengths, block, splits), expected) < tolerance
+    # The decode step's RoPE, cache store and attention in one kernel, from the product's q/k/v
+    # (strided views of one tensor), against the two reference ops; the new key in the cache too.
+    qkv = rnd(4, (heads + 2 * kv_heads) * dim)
+    q, k, v = qkv.split((heads * dim, kv_heads * dim, kv_heads * dim), dim=-1)
+    slots = (tables.gather(1, ((lengths - 1) // block)[:, None].long()).squeeze(1) * block + (lengths - 1) % block).int()
+    for norm in (None, rnd(dim)):
+        for splits in (1, 5, 16):
+            caches = [c.clone() for c in (k_cache, v_cache) for _ in range(2)]
+            want = ref.rope_decode_attention(q, k, v, norm, norm, 1e-6, table, slots, caches[0], caches[2], tables,
+                                             lengths, block, splits)
+            got = tri.rope_decode_attention(q, k, v, norm, norm, 1e-6, table, slots, caches[1], caches[3], tables,
+                                            lengths, block, splits)
+            assert _rel(got, want) < tolerance and _rel(caches[1], caches[0]) < tolerance
+            assert torch.equal(caches[3], caches[2]) and not torch.equal(caches[1], k_cache)
     gate, up = rnd(tokens, 4864), rnd(tokens, 4864)
     assert _rel(tri.silu_mul(gate, up), ref.silu_mul(gate, up)) < tolerance
     logits = rnd(6, 151936) * 4
@@ -82,8 +96,8 @@ def test_kernels_compute_what_the_torch_ops_compute(dtype, tolerance):
 def test_small_batch_products_compute_what_the_torch_ops_compute(rows):
     """The decode step's products at batch <= 16 (`_skinny_linear_kernel`, split over k and
     merged by the last program of each column block, launched ahead of the kernel before it):
-    q/k/v with its bias, and the MLP's down product with the activation fused in; 17 rows go to
-    cuBLAS. Twice in a row, as a captured graph replays them: the same bits both times."""
+    q/k/v with its bias, the MLP's down product with the activation fused in, and the attention
+    output product with the residual add and RMSNorm after it; 17 rows go to cuBLAS. Twice in a row, as a captured graph replays them: the same bits both times."""
     from services.rollout.builtin.kernels import TritonOps
 
     ref, tri = TorchOps(), TritonOps()
@@ -96,10 +110,15 @@ def test_small_batch_products_compute_what_the_torch_ops_compute(rows):
     x, w, bias = rnd(rows, 896), rnd(1152 + 40, 896, scale=0.05), rnd(1152 + 40)
     gate_up, down = rnd(rows, 2 * 4864), rnd(896, 4864, scale=0.02)
     gate, up = gate_up.chunk(2, dim=-1)
+    o_weight, residual, norm = rnd(896, 896, scale=0.05), rnd(rows, 896), rnd(896)
     for _ in range(2):
-        first = tri.linear(x, w, bias), tri.silu_mul_linear(gate, up, down)
-        second = tri.linear(x, w, bias), tri.silu_mul_linear(gate, up, down)
+        first = tri.linear(x, w, bias), tri.silu_mul_linear(gate, up, down), *tri.linear_add_rmsnorm(
+            x, o_weight, None, residual, norm, 1e-6)
+        second = tri.linear(x, w, bias), tri.silu_mul_linear(gate, up, down), *tri.linear_add_rmsnorm(
+            x, o_weight, None, residual, norm, 1e-6)
         assert all(torch.equal(a, b) for a, b in zip(first, second))
+        expected = ref.linear_add_rmsnorm(x, o_weight, None, residual, norm, 1e-6)
+        assert _rel(first[2], expected[0]) < 5e-3 and _rel(first[3], expected[1]) < 5e-3
         assert _rel(first[0], ref.linear(x, w, bias)) < 5e-3
         assert _rel(first[1], ref.silu_mul_linear(gate, up, down)) < 5e-3
         assert _rel(tri.linear(x, w), ref.linear(x, w)) < 5e-3
@@ -129,7 +148,8 @@ def test_kernel_draws_match_the_reference_and_never_take_a_token_for_its_hash_al
 
 
 def _fp32_model(arch: str = "qwen3"):
-    return _model(arch, dtype=torch.float32).cuda()
+    # heads of 32: wide enough for the decode step's RoPE to run inside the attention kernel
+    return _model(arch, dtype=torch.float32, head_dim=32).cuda()
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
@@ -149,7 +169,7 @@ def test_greedy_outputs_equal_the_eager_path(arch):
 def test_graphs_replay_exactly_what_the_eager_runner_computes_and_seeds_reproduce():
     """Decode and prefill graphs against the same kernels launched one by one: the same tokens
     and logprobs, bit for bit."""
-    model = _model(dtype=torch.bfloat16).cuda()
+    model = _model(dtype=torch.bfloat16, head_dim=32).cuda()
     prompts = _prompts() * 3
     sampled = Sampling(temperature=0.9, top_p=0.95, max_new_tokens=24, n=3, seed=7, ignore_eos=True)
     graphs = GenerationCore(model, TOKENIZER, torch.device("cuda"), CoreSettings(max_batch_size=16))

@@ -18,7 +18,8 @@ torch.set_num_threads(1)
 TOKENIZER = make_char_tokenizer("abcdefghijklmnopqrstuvwxyz \n")
 
 
-def _model(arch: str = "qwen3", *, tied: bool = False, dtype=torch.float64, seed: int = 0) -> DecoderLM:
+def _model(arch: str = "qwen3", *, tied: bool = False, dtype=torch.float64, seed: int = 0,
+           head_dim: int = 8) -> DecoderLM:
     # float64 keeps greedy comparisons free of near-tie flips between batched and unbatched math.
     config = ModelConfig(
         architecture=arch,
@@ -28,7 +29,7 @@ def _model(arch: str = "qwen3", *, tied: bool = False, dtype=torch.float64, seed
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
-        head_dim=8,
+        head_dim=head_dim,
         max_position_embeddings=64,
         tie_word_embeddings=tied,
     )

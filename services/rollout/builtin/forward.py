@@ -73,11 +73,16 @@ class PagedDecoder:
         slots = block_tables.gather(1, (positions // bs)[:, None].long()).squeeze(1) * bs + positions % bs  # [b]
         seq_lens = positions + 1
 
-        def attend(layer_index: int, q: torch.Tensor) -> torch.Tensor:
+        def attend(layer_index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             k_cache, v_cache = self.cache.layer(layer_index)
-            return self.ops.decode_attention(q, k_cache, v_cache, block_tables, seq_lens, bs, num_splits)
+            q_norm, k_norm = self._qk_norms(layer_index)
+            mlp = self.model.model.layers[layer_index].mlp
+            gate_up = self.fused[layer_index].gate_up if self.fused is not None else mlp.gate_proj.weight
+            return self.ops.rope_decode_attention(q, k, v, q_norm, k_norm, self.eps, self.rope, slots, k_cache, v_cache,
+                                                  block_tables, seq_lens, bs, num_splits,
+                                                  prefetch=(gate_up, mlp.down_proj.weight))
 
-        hidden = self._layers(tokens, positions, slots, attend, self.ops)  # [b, hidden]
+        hidden = self._layers(tokens, attend)  # [b, hidden]
         return F.linear(hidden, self.model.output_weight)
 
     def prefill(self, tokens: torch.Tensor, lengths: torch.Tensor, slots: torch.Tensor,
@@ -88,24 +93,33 @@ class PagedDecoder:
         groups, length = tokens.shape
         positions = torch.arange(length, device=tokens.device).expand(groups, length).reshape(-1)
 
-        def attend(layer_index: int, q: torch.Tensor) -> torch.Tensor:
-            # The prompt's keys and values were just written; attend to them from the cache
-            # rows this layer wrote, as a dense right-padded batch.
+        def attend(layer_index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            # The prompt's keys and values are written, then attended to from the cache rows
+            # this layer wrote, as a dense right-padded batch.
             k_cache, v_cache = self.cache.layer(layer_index)
-            flat = slots.reshape(-1).long()
-            k = k_cache[flat].view(groups, length, -1, self.config.head_dim)
-            v = v_cache[flat].view(groups, length, -1, self.config.head_dim)
+            q_norm, k_norm = self._qk_norms(layer_index)
+            flat = slots.reshape(-1)
+            q = self.ops.qk_rope_cache(q, k, v, q_norm, k_norm, self.eps, self.rope, positions, flat, k_cache, v_cache)
+            k = k_cache[flat.long()].view(groups, length, -1, self.config.head_dim)
+            v = v_cache[flat.long()].view(groups, length, -1, self.config.head_dim)
             out = self.ops.prefill_attention(q.view(groups, length, -1, self.config.head_dim), k, v)
             return out.reshape(groups * length, -1)
 
-        hidden = self._layers(tokens.reshape(-1), positions, slots.reshape(-1), attend, self.ops)  # [G*P, hidden]
+        hidden = self._layers(tokens.reshape(-1), attend)  # [G*P, hidden]
         last = hidden.view(groups, length, -1)[torch.arange(groups, device=tokens.device), lengths - 1]
         if out is None:
             return F.linear(last, self.model.output_weight)
         return torch.mm(last, self.model.output_weight.t(), out=out)
 
-    def _layers(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, attend, ops) -> torch.Tensor:
-        eps = self.eps
+    def _qk_norms(self, layer_index: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Qwen3's per-head q and k norm weights (None for models without them)."""
+        attn = self.model.model.layers[layer_index].self_attn
+        return getattr(attn.q_norm, "weight", None), getattr(attn.k_norm, "weight", None)
+
+    def _layers(self, tokens: torch.Tensor, attend) -> torch.Tensor:
+        """The decoder layers over tokens [T]; `attend(layer, q, k, v)` (the q/k/v product's
+        outputs) rotates, stores keys and values, and attends: prefill and decode differ there."""
+        eps, ops = self.eps, self.ops
         # Row indexing, not F.embedding: the same rows, and on a GPU one gather kernel at every
         # batch (F.embedding of 16 tokens takes a small-index kernel: 7.5 against 1.5 us).
         x = self.model.model.embed_tokens.weight[tokens]  # [T, hidden]
@@ -118,11 +132,8 @@ class PagedDecoder:
                 q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
             else:
                 q, k, v = attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)
-            k_cache, v_cache = self.cache.layer(index)
-            q = ops.qk_rope_cache(q, k, v, getattr(attn.q_norm, "weight", None), getattr(attn.k_norm, "weight", None),
-                                  eps, self.rope, positions, slots, k_cache, v_cache)  # [T, H, D]
-            x = ops.linear(attend(index, q), attn.o_proj.weight, attn.o_proj.bias)
-            h, residual = ops.add_rmsnorm(x, residual, layer.post_attention_layernorm.weight, eps)
+            h, residual = ops.linear_add_rmsnorm(attend(index, q, k, v), attn.o_proj.weight, attn.o_proj.bias, residual,
+                                                 layer.post_attention_layernorm.weight, eps)
             if self.fused is not None:
                 gate, up = ops.linear(h, self.fused[index].gate_up).chunk(2, dim=-1)
             else:

@@ -48,6 +48,36 @@ def _add_rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_cols, str
 
 
 @triton.jit
+def _head_rmsnorm(x1, x2, w1, w2, eps, HEAD_DIM: tl.constexpr):
+    """Qwen3's per-head RMSNorm of heads given as halves x1, x2 [heads, D/2] (rows: heads),
+    rounded as the decoder rounds: normalised in float32, cast, times the weight, cast."""
+    dtype = x1.dtype
+    f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
+    rstd = 1.0 / tl.sqrt((tl.sum(f1 * f1, axis=1) + tl.sum(f2 * f2, axis=1)) / HEAD_DIM + eps)[:, None]
+    return ((w1.to(tl.float32) * (f1 * rstd).to(dtype).to(tl.float32)).to(dtype),
+            (w2.to(tl.float32) * (f2 * rstd).to(dtype).to(tl.float32)).to(dtype))
+
+
+@triton.jit
+def _rotate_halves(x1, x2, cos, sin):
+    """x * cos + rotate_half(x) * sin on halves, rounded after each product and the sum as in
+    bf16 torch (cos and sin already in x's dtype, as float32)."""
+    dtype = x1.dtype
+    f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
+    o1 = ((f1 * cos).to(dtype).to(tl.float32) + (-f2 * sin).to(dtype).to(tl.float32)).to(dtype)
+    o2 = ((f2 * cos).to(dtype).to(tl.float32) + (f1 * sin).to(dtype).to(tl.float32)).to(dtype)
+    return o1, o2
+
+
+@triton.jit
+def _cos_sin(table_ptr, pos, d, dm, dtype, HALF: tl.constexpr):
+    """cos and sin [.., D/2] of position `pos` from `ops.rope_table`, rounded to the model's dtype."""
+    cos = tl.load(table_ptr + pos * (2 * HALF) + d, mask=dm, other=0.0).to(dtype).to(tl.float32)
+    sin = tl.load(table_ptr + pos * (2 * HALF) + HALF + d, mask=dm, other=0.0).to(dtype).to(tl.float32)
+    return cos, sin
+
+
+@triton.jit
 def _qk_rope_cache_kernel(q_ptr, k_ptr, v_ptr, qn_ptr, kn_ptr, table_ptr, pos_ptr, slot_ptr, kc_ptr, vc_ptr,
                           qo_ptr, stride_q, stride_k, stride_v, eps, NUM_HEADS: tl.constexpr,
                           NUM_KV_HEADS: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr,
@@ -68,21 +98,13 @@ def _qk_rope_cache_kernel(q_ptr, k_ptr, v_ptr, qn_ptr, kn_ptr, table_ptr, pos_pt
     x1 = tl.where(is_q, tl.load(q_base + d, mask=is_q & dm, other=0.0), tl.load(k_base + d, mask=is_k & dm, other=0.0))
     x2 = tl.where(is_q, tl.load(q_base + HALF + d, mask=is_q & dm, other=0.0),
                   tl.load(k_base + HALF + d, mask=is_k & dm, other=0.0))
-    dtype = x1.dtype
     if QK_NORM:
-        f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
-        rstd = 1.0 / tl.sqrt((tl.sum(f1 * f1, axis=1) + tl.sum(f2 * f2, axis=1)) / head_dim + eps)[:, None]
         w1 = tl.where(is_q, tl.load(qn_ptr + d, mask=dm, other=0.0), tl.load(kn_ptr + d, mask=dm, other=0.0))
         w2 = tl.where(is_q, tl.load(qn_ptr + HALF + d, mask=dm, other=0.0), tl.load(kn_ptr + HALF + d, mask=dm, other=0.0))
-        x1 = (w1.to(tl.float32) * (f1 * rstd).to(dtype).to(tl.float32)).to(dtype)
-        x2 = (w2.to(tl.float32) * (f2 * rstd).to(dtype).to(tl.float32)).to(dtype)
+        x1, x2 = _head_rmsnorm(x1, x2, w1, w2, eps, head_dim)
     pos = tl.load(pos_ptr + token).to(tl.int64)
-    cos = tl.load(table_ptr + pos * head_dim + d, mask=dm, other=0.0).to(dtype).to(tl.float32)
-    sin = tl.load(table_ptr + pos * head_dim + HALF + d, mask=dm, other=0.0).to(dtype).to(tl.float32)
-    f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
-    # x * cos + rotate_half(x) * sin, rounded after each product and the sum as in bf16 torch
-    o1 = ((f1 * cos).to(dtype).to(tl.float32) + (-f2 * sin).to(dtype).to(tl.float32)).to(dtype)
-    o2 = ((f2 * cos).to(dtype).to(tl.float32) + (f1 * sin).to(dtype).to(tl.float32)).to(dtype)
+    cos, sin = _cos_sin(table_ptr, pos, d, dm, x1.dtype, HALF)
+    o1, o2 = _rotate_halves(x1, x2, cos, sin)
     q_out = qo_ptr + (token * NUM_HEADS + h) * head_dim
     k_out = kc_ptr + (slot * NUM_KV_HEADS + h - NUM_HEADS) * head_dim
     tl.store(q_out + d, o1, mask=is_q & dm)
@@ -98,57 +120,150 @@ def _qk_rope_cache_kernel(q_ptr, k_ptr, v_ptr, qn_ptr, kn_ptr, table_ptr, pos_pt
 
 
 @triton.jit
+def _rope_heads(x_ptr, rows, n_rows, w_ptr, eps, cos, sin, half, QK_NORM: tl.constexpr, HALF: tl.constexpr):
+    """Heads `rows` [R] at x_ptr (each HEAD_DIM = 2 HALF wide), normalised (Qwen3) and rotated,
+    as [R, HEAD_DIM]: the halves joined back in place."""
+    ok = (rows < n_rows)[:, None]
+    x1 = tl.load(x_ptr + rows[:, None] * (2 * HALF) + half[None, :], mask=ok, other=0.0)
+    x2 = tl.load(x_ptr + rows[:, None] * (2 * HALF) + HALF + half[None, :], mask=ok, other=0.0)
+    if QK_NORM:
+        x1, x2 = _head_rmsnorm(x1, x2, tl.load(w_ptr + half)[None, :], tl.load(w_ptr + HALF + half)[None, :], eps,
+                               2 * HALF)
+    o1, o2 = _rotate_halves(x1, x2, cos, sin)
+    return tl.reshape(tl.permute(tl.join(o1, o2), (0, 2, 1)), (o1.shape[0], 2 * HALF))  # [R, 2, HALF] -> [R, D]
+
+
+@triton.jit
+def _prefetch_share(ptr, lines, me, programs, LINE: tl.constexpr, BLOCK: tl.constexpr):
+    """Ask L2 for program `me`'s share (of `programs`) of `lines` 128-byte lines from ptr (LINE
+    elements a line)."""
+    share = tl.cdiv(lines, programs)
+    first = me * share
+    last = tl.minimum(first + share, lines)
+    for at in range(first, last, BLOCK):
+        line = at + tl.arange(0, BLOCK)
+        _prefetch_l2(tl.where(line < last, ptr + line.to(tl.int64) * LINE, ptr))
+
+
+@triton.jit
+def _kv_tile(kc_ptr, vc_ptr, bt_ptr, row, stride_bt, kv_head, first, limit, n, d, dim_ok, NUM_KV_HEADS: tl.constexpr,
+             HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    """Cached keys and values [BLOCK_N, D] of one KV head at a row's positions first + n below
+    `limit`, through its block table, and which of them are real."""
+    t = first + n
+    ok = t < limit
+    block = tl.load(bt_ptr + row * stride_bt + t // BLOCK_SIZE, mask=ok, other=0).to(tl.int64)
+    slot = block * BLOCK_SIZE + t % BLOCK_SIZE
+    offs = (slot * NUM_KV_HEADS + kv_head)[:, None] * HEAD_DIM + d[None, :]
+    kv_ok = ok[:, None] & dim_ok[None, :]
+    return tl.load(kc_ptr + offs, mask=kv_ok, other=0.0), tl.load(vc_ptr + offs, mask=kv_ok, other=0.0), ok
+
+
+@triton.jit
+def _attend_tile(q, k, v, ok, m, l, acc, scale, IEEE: tl.constexpr):
+    """One tile of the online softmax: q [G, D] against keys and values [N, D] (`ok` the real
+    ones), updating the running max m, sum l [G] and output acc [G, D]."""
+    if IEEE:
+        s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # [G, N]
+    else:
+        s = tl.dot(q, tl.trans(k)) * scale
+    s = tl.where(ok[None, :], s, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, axis=1))
+    alpha = tl.exp(m - m_new)
+    p = tl.exp(s - m_new[:, None])
+    l = l * alpha + tl.sum(p, axis=1)
+    if IEEE:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, l, acc
+
+
+@triton.jit
 def _decode_attention_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, len_ptr, out_ptr, acc_ptr, ml_ptr, count_ptr, stride_bt,
-                             scale, NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
+                             scale, k_ptr, v_ptr, qn_ptr, kn_ptr, table_ptr, slot_ptr, stride_q, stride_k, stride_v,
+                             eps, pf_a_ptr, pf_a_lines, pf_b_ptr, pf_b_lines, NUM_HEADS: tl.constexpr,
+                             NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
                              GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
                              BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                             IEEE: tl.constexpr):
+                             IEEE: tl.constexpr, ROPE: tl.constexpr, QK_NORM: tl.constexpr,
+                             PREFETCH: tl.constexpr, PF_LINE: tl.constexpr):
     """One (row, KV head, split): attention of the GROUP query heads over the split's share of
     the row's cached tokens. With several splits each writes its partial result, and the last
-    to finish (an atomic count per row and KV head) merges them: one launch either way."""
+    to finish (an atomic count per row and KV head) merges them: one launch either way.
+
+    With ROPE, q, k and v are the row's new token straight from the q/k/v product (q [b, H D]
+    at q_ptr, k and v [b, Hkv D]), and the kernel does what `qk_rope_cache` would have done
+    first: every program normalises (Qwen3) and rotates its query heads, and the program whose
+    share holds the new token (the row's last position) rotates its key, writes key and value
+    to the cache for later steps, and attends to them from registers. One kernel a layer fewer.
+
+    With PREFETCH the programs first ask L2 for two weights (the layer's MLP), each its share,
+    while the kernel before still runs: a small batch leaves the memory idle from here to the
+    MLP's products, which then read their weights from L2."""
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    tl.extra.cuda.gdc_wait()
-    tl.extra.cuda.gdc_launch_dependents()
+    if PREFETCH:
+        programs = tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2)
+        me = (row * tl.num_programs(1) + kv_head) * tl.num_programs(2) + split
+        _prefetch_share(pf_a_ptr, pf_a_lines, me, programs, PF_LINE, 1024)
+        _prefetch_share(pf_b_ptr, pf_b_lines, me, programs, PF_LINE, 1024)
     g = tl.arange(0, GROUP_PAD)
     d = tl.arange(0, DIM_PAD)
     n = tl.arange(0, BLOCK_N)
     heads = kv_head * GROUP + g
     head_ok = g < GROUP
     dim_ok = d < HEAD_DIM
-    q = tl.load(q_ptr + (row * NUM_HEADS + heads)[:, None] * HEAD_DIM + d[None, :],
-                mask=head_ok[:, None] & dim_ok[None, :], other=0.0)
+    # Lengths, block tables and the cached keys and values were written by earlier kernels, which
+    # had finished before the kernel before this one passed its own wait: read them before ours.
     seq_len = tl.load(len_ptr + row)
     chunk = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
     start = split * chunk
     end = tl.minimum(start + chunk, seq_len)
+    if ROPE:
+        cached_end = tl.minimum(end, seq_len - 1)  # the new token is not in the cache yet
+        k0, v0, ok0 = _kv_tile(kc_ptr, vc_ptr, bt_ptr, row, stride_bt, kv_head, start, cached_end, n, d, dim_ok,
+                               NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE)  # the first tile, ahead of the wait
+        half = tl.arange(0, HEAD_DIM // 2)
+        cos, sin = _cos_sin(table_ptr, (seq_len - 1).to(tl.int64), half[None, :], True, q_ptr.dtype.element_ty,
+                            HEAD_DIM // 2)
+        owner = (start < seq_len) & (seq_len <= end)  # this share holds the new token
+        slot_new = tl.load(slot_ptr + row, mask=owner, other=0).to(tl.int64)
+    else:
+        cached_end = end
+    tl.extra.cuda.gdc_wait()  # q (k, v) come from the kernel before
+    tl.extra.cuda.gdc_launch_dependents()
     m = tl.full((GROUP_PAD,), float("-inf"), tl.float32)
     l = tl.zeros((GROUP_PAD,), tl.float32)
     acc = tl.zeros((GROUP_PAD, DIM_PAD), tl.float32)
-    for first in range(start, end, BLOCK_N):
-        t = first + n
-        ok = t < end
-        block = tl.load(bt_ptr + row * stride_bt + t // BLOCK_SIZE, mask=ok, other=0).to(tl.int64)
-        slot = block * BLOCK_SIZE + t % BLOCK_SIZE
-        offs = (slot * NUM_KV_HEADS + kv_head)[:, None] * HEAD_DIM + d[None, :]
-        kv_ok = ok[:, None] & dim_ok[None, :]
-        k = tl.load(kc_ptr + offs, mask=kv_ok, other=0.0)
-        v = tl.load(vc_ptr + offs, mask=kv_ok, other=0.0)
-        if IEEE:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # [GROUP_PAD, BLOCK_N]
-        else:
-            s = tl.dot(q, tl.trans(k)) * scale
-        s = tl.where(ok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, axis=1))
-        alpha = tl.exp(m - m_new)
-        p = tl.exp(s - m_new[:, None])
-        l = l * alpha + tl.sum(p, axis=1)
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m = m_new
+    loop_start = start
+    if ROPE:
+        q = _rope_heads(q_ptr + row * stride_q + kv_head * GROUP * HEAD_DIM, g, GROUP, qn_ptr, eps, cos, sin, half,
+                        QK_NORM, HEAD_DIM // 2)
+        # The new token first: its key rotated, key and value stored for later steps, and
+        # attended to from registers (the owner's running max, sum and output start from it).
+        one = tl.arange(0, 1)
+        k_new = _rope_heads(k_ptr + row * stride_k + kv_head * HEAD_DIM, one, owner.to(tl.int32), kn_ptr, eps, cos,
+                            sin, half, QK_NORM, HEAD_DIM // 2)  # [1, D]
+        v_new = tl.load(v_ptr + row * stride_v + kv_head * HEAD_DIM + d[None, :], mask=owner, other=0.0)  # [1, D]
+        at = (slot_new * NUM_KV_HEADS + kv_head) * HEAD_DIM + d[None, :]
+        tl.store(kc_ptr + at, k_new, mask=owner)
+        tl.store(vc_ptr + at, v_new, mask=owner)
+        s_new = tl.sum(q.to(tl.float32) * k_new.to(tl.float32), axis=1) * scale  # [GROUP_PAD]
+        m = tl.where(owner, s_new, m)
+        l = tl.where(owner, 1.0, l)
+        acc = tl.where(owner, acc + v_new.to(tl.float32), acc)
+        if start < cached_end:
+            m, l, acc = _attend_tile(q, k0, v0, ok0, m, l, acc, scale, IEEE)
+        loop_start = start + BLOCK_N
+    else:
+        q = tl.load(q_ptr + (row * NUM_HEADS + heads)[:, None] * HEAD_DIM + d[None, :],
+                    mask=head_ok[:, None] & dim_ok[None, :], other=0.0)
+    for first in range(loop_start, cached_end, BLOCK_N):
+        k, v, ok = _kv_tile(kc_ptr, vc_ptr, bt_ptr, row, stride_bt, kv_head, first, cached_end, n, d, dim_ok,
+                            NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE)
+        m, l, acc = _attend_tile(q, k, v, ok, m, l, acc, scale, IEEE)
     out_offs = (row * NUM_HEADS + heads)[:, None] * HEAD_DIM + d[None, :]
     out_ok = head_ok[:, None] & dim_ok[None, :]
     if NUM_SPLITS == 1:
@@ -233,9 +348,10 @@ def _load_xt(x_ptr, up_offset, m, m_ok, kk, k_ok, stride_x, SILU: tl.constexpr):
 
 @triton.jit
 def _skinny_linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, count_ptr, rows, n, k, k_split, up_offset,
-                          stride_x, stride_out, HAS_BIAS: tl.constexpr, SILU: tl.constexpr, SPLITS: tl.constexpr,
+                          stride_x, stride_out, res_ptr, nw_ptr, norm_out_ptr, res_out_ptr, norm_count_ptr, eps,
+                          HAS_BIAS: tl.constexpr, SILU: tl.constexpr, SPLITS: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                          LINES: tl.constexpr):
+                          LINES: tl.constexpr, NORM: tl.constexpr, NORM_ROWS: tl.constexpr, N_PAD: tl.constexpr):
     """out [rows, n] = x [rows, k] @ w [n, k]^T (+ bias) for a decode step's few rows (at most
     BLOCK_M): one program per (BLOCK_N output columns, share of k), the weight's rows on the
     matrix unit's long side.
@@ -270,6 +386,9 @@ def _skinny_linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, count_ptr, row
     out_mask = n_ok[:, None] & m_ok[None, :]
     if SPLITS == 1:
         _finish_linear(acc, b_ptr, out_ptr, cols, n_ok, m, stride_out, out_mask, HAS_BIAS)
+        if NORM:
+            _norm_tail(out_ptr, res_ptr, nw_ptr, norm_out_ptr, res_out_ptr, norm_count_ptr, rows, n, stride_out, eps,
+                       NORM_ROWS, N_PAD)
     else:
         part = part_ptr + m[None, :] * n + cols[:, None]  # partials [SPLITS, BLOCK_M, n]
         tl.store(part + split * BLOCK_M * n, acc, mask=out_mask)
@@ -282,6 +401,35 @@ def _skinny_linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, count_ptr, row
                 total += tl.load(part + other * BLOCK_M * n, mask=out_mask, other=0.0, cache_modifier=".cg")
             _finish_linear(total, b_ptr, out_ptr, cols, n_ok, m, stride_out, out_mask, HAS_BIAS)
             tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")  # ready for the next launch
+            if NORM:
+                _norm_tail(out_ptr, res_ptr, nw_ptr, norm_out_ptr, res_out_ptr, norm_count_ptr, rows, n, stride_out,
+                           eps, NORM_ROWS, N_PAD)
+
+
+@triton.jit
+def _norm_tail(out_ptr, res_ptr, nw_ptr, norm_out_ptr, res_out_ptr, count_ptr, rows, n, stride, eps,
+               NORM_ROWS: tl.constexpr, N_PAD: tl.constexpr):
+    """Called by each column block's finishing program once its columns of out are stored: the
+    last of them (an atomic count) computes `add_rmsnorm(out, residual)` over all rows, rounded
+    as `_add_rmsnorm_kernel` rounds (one kernel fewer than a norm of its own)."""
+    tl.debug_barrier()  # every thread's columns are stored before the count says so
+    if tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu") == tl.num_programs(0) - 1:
+        tl.debug_barrier()
+        cols = tl.arange(0, N_PAD)
+        c_ok = cols < n
+        w = tl.load(nw_ptr + cols, mask=c_ok, other=0.0).to(tl.float32)
+        for first in range(0, rows, NORM_ROWS):
+            r = first + tl.arange(0, NORM_ROWS)
+            ok = (r < rows)[:, None] & c_ok[None, :]
+            offs = r[:, None] * stride + cols[None, :]
+            x = tl.load(out_ptr + offs, mask=ok, other=0.0, cache_modifier=".cg")
+            x = (tl.load(res_ptr + offs, mask=ok, other=0.0).to(tl.float32) + x.to(tl.float32)).to(x.dtype)
+            tl.store(res_out_ptr + offs, x, mask=ok)
+            xf = x.to(tl.float32)
+            rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=1) / n + eps)
+            normed = (xf * rstd[:, None]).to(x.dtype).to(tl.float32)
+            tl.store(norm_out_ptr + offs, (w[None, :] * normed).to(x.dtype), mask=ok)
+        tl.atomic_xchg(count_ptr, 0, sem="relaxed", scope="gpu")  # ready for the next launch
 
 @triton.jit
 def _hash32(x):
@@ -439,6 +587,12 @@ class TritonOps(TorchOps):
     unsplit_tile = 64
     attention_warps = 4  # 2 warps or 3 stages: within 2% (bench/results/attention_splits-experiment-*)
     attention_stages = 2
+    # A decode step's RoPE and key/value store inside the attention kernel (one kernel a layer fewer).
+    fuse_rope = True
+    # The attention kernel asks L2 for the layer's MLP weights (up to `prefetch_bytes`) at
+    # batches up to `prefetch_rows` (0: never).
+    prefetch_rows = 0
+    prefetch_bytes = 32 << 20
     # Products of at most `skinny_rows` rows (a small batch's decode step) whose weight is at most
     # `skinny_max_bytes` run as `_skinny_linear_kernel` (bf16 and fp16); the rest go to cuBLAS.
     # That kernel asks L2 for its weight while the kernel before it still runs, which pays where
@@ -452,6 +606,10 @@ class TritonOps(TorchOps):
     skinny_block_k = 128
     skinny_warps = 4
     skinny_stages = 3
+    # A small batch's attention output product and the add_rmsnorm after it in one kernel (its
+    # last program normalises `norm_tile` elements' worth of rows at a time).
+    norm_tail = True
+    norm_tile = 8192
 
     def add_rmsnorm(self, x, residual, weight, eps):
         rows, cols = x.shape
@@ -489,19 +647,56 @@ class TritonOps(TorchOps):
         self.pdl = pdl
 
     def decode_attention(self, q, k_cache, v_cache, block_tables, seq_lens, block_size, num_splits):
-        batch, num_heads, head_dim = q.shape
-        num_kv_heads = k_cache.shape[1]
+        return self._attention(q, k_cache, v_cache, block_tables, seq_lens, block_size, num_splits)
+
+    def rope_decode_attention(self, q, k, v, q_norm, k_norm, eps, table, slots, k_cache, v_cache, block_tables,
+                              seq_lens, block_size, num_splits, prefetch=()):
+        head_dim = k_cache.shape[2]
+        # The heads' halves are joined back in registers: power-of-two heads of 32 or more
+        # (the matrix unit's 16 a half). Other shapes, and `fuse_rope` off, take two kernels.
+        if not (self.fuse_rope and head_dim >= 32 and head_dim & (head_dim - 1) == 0
+                and q.stride(1) == k.stride(1) == v.stride(1) == 1):
+            return super().rope_decode_attention(q, k, v, q_norm, k_norm, eps, table, slots, k_cache, v_cache,
+                                                 block_tables, seq_lens, block_size, num_splits)
+        return self._attention(q, k_cache, v_cache, block_tables, seq_lens, block_size, num_splits,
+                               rope=(k, v, q_norm, k_norm, eps, table, slots), prefetch=prefetch)
+
+    def _prefetched(self, batch: int, tensors) -> list[tuple[torch.Tensor, int]]:
+        """(tensor, 128-byte lines) of `tensors` to ask L2 for, within `prefetch_bytes`; none
+        past `prefetch_rows` rows (a large batch's memory is not idle)."""
+        out, budget = [], self.prefetch_bytes if batch <= self.prefetch_rows else 0
+        for t in tensors[:2]:
+            take = min(t.numel() * t.element_size(), budget) // 128
+            if take > 0 and t.is_contiguous() and t.element_size() == 2:
+                out.append((t, take))
+                budget -= take * 128
+        return out
+
+    def _attention(self, q, k_cache, v_cache, block_tables, seq_lens, block_size, num_splits, rope=None,
+                   prefetch=()):
+        """q [b, H, D] rotated, or with `rope` (k, v, q_norm, k_norm, eps, table, slots) q [b, H*D]
+        straight from the product."""
+        num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2]
+        batch, num_heads = q.shape[0], (q.shape[1] // head_dim if rope else q.shape[1])
+        unread = q  # the pointers a variant does not read
+        k, v, q_norm, k_norm, eps, table, slots = rope or (unread, unread, None, None, 0.0, unread, unread)
         group = num_heads // num_kv_heads
         dim_pad = max(16, triton.next_power_of_2(head_dim))  # tl.dot needs 16 at least
-        acc = torch.empty(batch, num_heads, num_splits, dim_pad, dtype=torch.float32, device=q.device)
-        ml = torch.empty(batch, num_heads, num_splits, 2, dtype=torch.float32, device=q.device)
-        out = torch.empty(batch, num_heads * head_dim, dtype=q.dtype, device=q.device)
-        block_n = self.unsplit_tile if num_splits == 1 and q.element_size() == 2 and head_dim <= 128 else 32
+        device = k_cache.device
+        acc = torch.empty(batch, num_heads, num_splits, dim_pad, dtype=torch.float32, device=device)
+        ml = torch.empty(batch, num_heads, num_splits, 2, dtype=torch.float32, device=device)
+        out = torch.empty(batch, num_heads * head_dim, dtype=k_cache.dtype, device=device)
+        block_n = self.unsplit_tile if num_splits == 1 and k_cache.element_size() == 2 and head_dim <= 128 else 32
+        pf = self._prefetched(batch, prefetch) + [(unread, 0)] * 2
         _decode_attention_kernel[(batch, num_kv_heads, num_splits)](
-            q, k_cache, v_cache, block_tables, seq_lens, out, acc, ml, self._counter(q.device, batch * num_kv_heads, "attention"),
-            block_tables.stride(0), head_dim**-0.5, NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=group,
+            q, k_cache, v_cache, block_tables, seq_lens, out, acc, ml,
+            self._counter(device, batch * num_kv_heads, "attention"), block_tables.stride(0), head_dim**-0.5,
+            k, v, unread if q_norm is None else q_norm, unread if k_norm is None else k_norm, table, slots,
+            q.stride(0), k.stride(0), v.stride(0), eps, pf[0][0], pf[0][1], pf[1][0], pf[1][1],
+            NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=group,
             GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, DIM_PAD=dim_pad, BLOCK_SIZE=block_size,
-            BLOCK_N=block_n, NUM_SPLITS=num_splits, IEEE=q.dtype == torch.float32, num_warps=self.attention_warps,
+            BLOCK_N=block_n, NUM_SPLITS=num_splits, IEEE=k_cache.dtype == torch.float32, ROPE=rope is not None,
+            QK_NORM=q_norm is not None, PREFETCH=pf[0][1] > 0, PF_LINE=64, num_warps=self.attention_warps,
             num_stages=self.attention_stages,
             launch_pdl=self.pdl)
         return out
@@ -545,7 +740,17 @@ class TritonOps(TorchOps):
                 and weight.numel() * weight.element_size() <= self.skinny_max_bytes
                 and weight.dtype == x.dtype and weight.is_contiguous() and x.stride(1) == 1)
 
-    def _skinny_linear(self, x, weight, bias, silu: bool):
+    def linear_add_rmsnorm(self, x, weight, bias, residual, norm_weight, eps):
+        if not (self.norm_tail and self._skinny(x, weight) and residual is not None and residual.is_contiguous()
+                and residual.shape == (x.shape[0], weight.shape[0]) and residual.dtype == x.dtype):
+            return super().linear_add_rmsnorm(x, weight, bias, residual, norm_weight, eps)
+        normed, summed = torch.empty_like(residual), torch.empty_like(residual)
+        self._skinny_linear(x, weight, bias, silu=False, norm=(residual, norm_weight, normed, summed, eps))
+        return normed, summed
+
+    def _skinny_linear(self, x, weight, bias, silu: bool, norm=None):
+        """With `norm` (residual, norm weight, normed out, sum out, eps), the add_rmsnorm after
+        the product too, by the kernel's last program."""
         rows, k = x.shape
         n = weight.shape[0]
         block_n = self.skinny_block_n
@@ -558,11 +763,15 @@ class TritonOps(TorchOps):
         out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
         part = torch.empty(splits, SKINNY_BLOCK_M, n, dtype=torch.float32, device=x.device) if splits > 1 else out
         counter = self._counter(x.device, blocks, "linear") if splits > 1 else out
+        residual, norm_weight, normed, summed, eps = norm or (out, out, out, out, 0.0)
+        norm_counter = self._counter(x.device, 1, "norm") if norm else out
         _skinny_linear_kernel[(blocks, splits)](
             x, weight, bias if bias is not None else weight, out, part, counter, rows, n, k, k_split, k, x.stride(0),
-            out.stride(0), HAS_BIAS=bias is not None, SILU=silu, SPLITS=splits, BLOCK_M=SKINNY_BLOCK_M, BLOCK_N=block_n,
-            BLOCK_K=self.skinny_block_k, LINES=triton.next_power_of_2(triton.cdiv(k_split, 64)),
-            num_warps=self.skinny_warps, num_stages=self.skinny_stages, launch_pdl=self.pdl)
+            out.stride(0), residual, norm_weight, normed, summed, norm_counter, eps, HAS_BIAS=bias is not None,
+            SILU=silu, SPLITS=splits, BLOCK_M=SKINNY_BLOCK_M, BLOCK_N=block_n, BLOCK_K=self.skinny_block_k,
+            LINES=triton.next_power_of_2(triton.cdiv(k_split, 64)), NORM=norm is not None, NORM_ROWS=max(1, self.norm_tile // triton.next_power_of_2(n)),
+            N_PAD=triton.next_power_of_2(n), num_warps=self.skinny_warps, num_stages=self.skinny_stages,
+            launch_pdl=self.pdl)
         return out
 
     def silu_mul(self, gate, up):
