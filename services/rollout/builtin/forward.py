@@ -76,11 +76,8 @@ class PagedDecoder:
         def attend(layer_index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             k_cache, v_cache = self.cache.layer(layer_index)
             q_norm, k_norm = self._qk_norms(layer_index)
-            mlp = self.model.model.layers[layer_index].mlp
-            gate_up = self.fused[layer_index].gate_up if self.fused is not None else mlp.gate_proj.weight
             return self.ops.rope_decode_attention(q, k, v, q_norm, k_norm, self.eps, self.rope, slots, k_cache, v_cache,
-                                                  block_tables, seq_lens, bs, num_splits,
-                                                  prefetch=(gate_up, mlp.down_proj.weight))
+                                                  block_tables, seq_lens, bs, num_splits)
 
         hidden = self._layers(tokens, attend)  # [b, hidden]
         return F.linear(hidden, self.model.output_weight)
@@ -132,8 +129,8 @@ class PagedDecoder:
                 q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
             else:
                 q, k, v = attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)
-            h, residual = ops.linear_add_rmsnorm(attend(index, q, k, v), attn.o_proj.weight, attn.o_proj.bias, residual,
-                                                 layer.post_attention_layernorm.weight, eps)
+            x = ops.linear(attend(index, q, k, v), attn.o_proj.weight, attn.o_proj.bias)
+            h, residual = ops.add_rmsnorm(x, residual, layer.post_attention_layernorm.weight, eps)
             if self.fused is not None:
                 gate, up = ops.linear(h, self.fused[index].gate_up).chunk(2, dim=-1)
             else:

@@ -4,10 +4,13 @@ Decode is bound by reading the weights once per step, so what matters besides th
 products is how many kernels a step launches, that none of them waits on the host, and that
 each starts before the one before it ends (programmatic dependent launch, Hopper on):
 - `add_rmsnorm`: residual add and RMSNorm in one pass (one kernel instead of five);
-- `qk_rope_cache`: Qwen3's q/k norm, RoPE, and the key/value store into the paged cache;
+- `qk_rope_cache`: Qwen3's q/k norm, RoPE, and the key/value store into the paged cache (prefill);
 - `decode_attention`: split-K paged attention for one query token per row; each program takes
   one KV head and all the query heads that share it, reading each cached key once, and the
   last split of a row to finish merges them (one launch);
+- `rope_decode_attention`: the decode step's: the same kernel doing `qk_rope_cache`'s work for
+  its own heads on the way (one kernel a layer fewer), reading what earlier kernels wrote (the
+  first tile of cached keys and values) before it waits for the q/k/v product;
 - `silu_mul`: the gated MLP's activation;
 - `skinny_linear`: a small batch's attention products, their weights fetched into L2 while the
   kernel before still runs;
@@ -134,18 +137,6 @@ def _rope_heads(x_ptr, rows, n_rows, w_ptr, eps, cos, sin, half, QK_NORM: tl.con
 
 
 @triton.jit
-def _prefetch_share(ptr, lines, me, programs, LINE: tl.constexpr, BLOCK: tl.constexpr):
-    """Ask L2 for program `me`'s share (of `programs`) of `lines` 128-byte lines from ptr (LINE
-    elements a line)."""
-    share = tl.cdiv(lines, programs)
-    first = me * share
-    last = tl.minimum(first + share, lines)
-    for at in range(first, last, BLOCK):
-        line = at + tl.arange(0, BLOCK)
-        _prefetch_l2(tl.where(line < last, ptr + line.to(tl.int64) * LINE, ptr))
-
-
-@triton.jit
 def _kv_tile(kc_ptr, vc_ptr, bt_ptr, row, stride_bt, kv_head, first, limit, n, d, dim_ok, NUM_KV_HEADS: tl.constexpr,
              HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr):
     """Cached keys and values [BLOCK_N, D] of one KV head at a row's positions first + n below
@@ -182,12 +173,11 @@ def _attend_tile(q, k, v, ok, m, l, acc, scale, IEEE: tl.constexpr):
 @triton.jit
 def _decode_attention_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, len_ptr, out_ptr, acc_ptr, ml_ptr, count_ptr, stride_bt,
                              scale, k_ptr, v_ptr, qn_ptr, kn_ptr, table_ptr, slot_ptr, stride_q, stride_k, stride_v,
-                             eps, pf_a_ptr, pf_a_lines, pf_b_ptr, pf_b_lines, NUM_HEADS: tl.constexpr,
+                             eps, NUM_HEADS: tl.constexpr,
                              NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
                              GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
                              BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                             IEEE: tl.constexpr, ROPE: tl.constexpr, QK_NORM: tl.constexpr,
-                             PREFETCH: tl.constexpr, PF_LINE: tl.constexpr):
+                             IEEE: tl.constexpr, ROPE: tl.constexpr, QK_NORM: tl.constexpr):
     """One (row, KV head, split): attention of the GROUP query heads over the split's share of
     the row's cached tokens. With several splits each writes its partial result, and the last
     to finish (an atomic count per row and KV head) merges them: one launch either way.
@@ -196,19 +186,10 @@ def _decode_attention_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, len_ptr, out_ptr, ac
     at q_ptr, k and v [b, Hkv D]), and the kernel does what `qk_rope_cache` would have done
     first: every program normalises (Qwen3) and rotates its query heads, and the program whose
     share holds the new token (the row's last position) rotates its key, writes key and value
-    to the cache for later steps, and attends to them from registers. One kernel a layer fewer.
-
-    With PREFETCH the programs first ask L2 for two weights (the layer's MLP), each its share,
-    while the kernel before still runs: a small batch leaves the memory idle from here to the
-    MLP's products, which then read their weights from L2."""
+    to the cache for later steps, and attends to them from registers. One kernel a layer fewer."""
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    if PREFETCH:
-        programs = tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2)
-        me = (row * tl.num_programs(1) + kv_head) * tl.num_programs(2) + split
-        _prefetch_share(pf_a_ptr, pf_a_lines, me, programs, PF_LINE, 1024)
-        _prefetch_share(pf_b_ptr, pf_b_lines, me, programs, PF_LINE, 1024)
     g = tl.arange(0, GROUP_PAD)
     d = tl.arange(0, DIM_PAD)
     n = tl.arange(0, BLOCK_N)
@@ -348,10 +329,9 @@ def _load_xt(x_ptr, up_offset, m, m_ok, kk, k_ok, stride_x, SILU: tl.constexpr):
 
 @triton.jit
 def _skinny_linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, count_ptr, rows, n, k, k_split, up_offset,
-                          stride_x, stride_out, res_ptr, nw_ptr, norm_out_ptr, res_out_ptr, norm_count_ptr, eps,
-                          HAS_BIAS: tl.constexpr, SILU: tl.constexpr, SPLITS: tl.constexpr,
+                          stride_x, stride_out, HAS_BIAS: tl.constexpr, SILU: tl.constexpr, SPLITS: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                          LINES: tl.constexpr, NORM: tl.constexpr, NORM_ROWS: tl.constexpr, N_PAD: tl.constexpr):
+                          LINES: tl.constexpr):
     """out [rows, n] = x [rows, k] @ w [n, k]^T (+ bias) for a decode step's few rows (at most
     BLOCK_M): one program per (BLOCK_N output columns, share of k), the weight's rows on the
     matrix unit's long side.
@@ -386,9 +366,6 @@ def _skinny_linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, count_ptr, row
     out_mask = n_ok[:, None] & m_ok[None, :]
     if SPLITS == 1:
         _finish_linear(acc, b_ptr, out_ptr, cols, n_ok, m, stride_out, out_mask, HAS_BIAS)
-        if NORM:
-            _norm_tail(out_ptr, res_ptr, nw_ptr, norm_out_ptr, res_out_ptr, norm_count_ptr, rows, n, stride_out, eps,
-                       NORM_ROWS, N_PAD)
     else:
         part = part_ptr + m[None, :] * n + cols[:, None]  # partials [SPLITS, BLOCK_M, n]
         tl.store(part + split * BLOCK_M * n, acc, mask=out_mask)
@@ -401,35 +378,7 @@ def _skinny_linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, count_ptr, row
                 total += tl.load(part + other * BLOCK_M * n, mask=out_mask, other=0.0, cache_modifier=".cg")
             _finish_linear(total, b_ptr, out_ptr, cols, n_ok, m, stride_out, out_mask, HAS_BIAS)
             tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")  # ready for the next launch
-            if NORM:
-                _norm_tail(out_ptr, res_ptr, nw_ptr, norm_out_ptr, res_out_ptr, norm_count_ptr, rows, n, stride_out,
-                           eps, NORM_ROWS, N_PAD)
 
-
-@triton.jit
-def _norm_tail(out_ptr, res_ptr, nw_ptr, norm_out_ptr, res_out_ptr, count_ptr, rows, n, stride, eps,
-               NORM_ROWS: tl.constexpr, N_PAD: tl.constexpr):
-    """Called by each column block's finishing program once its columns of out are stored: the
-    last of them (an atomic count) computes `add_rmsnorm(out, residual)` over all rows, rounded
-    as `_add_rmsnorm_kernel` rounds (one kernel fewer than a norm of its own)."""
-    tl.debug_barrier()  # every thread's columns are stored before the count says so
-    if tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu") == tl.num_programs(0) - 1:
-        tl.debug_barrier()
-        cols = tl.arange(0, N_PAD)
-        c_ok = cols < n
-        w = tl.load(nw_ptr + cols, mask=c_ok, other=0.0).to(tl.float32)
-        for first in range(0, rows, NORM_ROWS):
-            r = first + tl.arange(0, NORM_ROWS)
-            ok = (r < rows)[:, None] & c_ok[None, :]
-            offs = r[:, None] * stride + cols[None, :]
-            x = tl.load(out_ptr + offs, mask=ok, other=0.0, cache_modifier=".cg")
-            x = (tl.load(res_ptr + offs, mask=ok, other=0.0).to(tl.float32) + x.to(tl.float32)).to(x.dtype)
-            tl.store(res_out_ptr + offs, x, mask=ok)
-            xf = x.to(tl.float32)
-            rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=1) / n + eps)
-            normed = (xf * rstd[:, None]).to(x.dtype).to(tl.float32)
-            tl.store(norm_out_ptr + offs, (w[None, :] * normed).to(x.dtype), mask=ok)
-        tl.atomic_xchg(count_ptr, 0, sem="relaxed", scope="gpu")  # ready for the next launch
 
 @triton.jit
 def _hash32(x):
@@ -589,10 +538,6 @@ class TritonOps(TorchOps):
     attention_stages = 2
     # A decode step's RoPE and key/value store inside the attention kernel (one kernel a layer fewer).
     fuse_rope = True
-    # The attention kernel asks L2 for the layer's MLP weights (up to `prefetch_bytes`) at
-    # batches up to `prefetch_rows` (0: never).
-    prefetch_rows = 0
-    prefetch_bytes = 32 << 20
     # Products of at most `skinny_rows` rows (a small batch's decode step) whose weight is at most
     # `skinny_max_bytes` run as `_skinny_linear_kernel` (bf16 and fp16); the rest go to cuBLAS.
     # That kernel asks L2 for its weight while the kernel before it still runs, which pays where
@@ -606,10 +551,6 @@ class TritonOps(TorchOps):
     skinny_block_k = 128
     skinny_warps = 4
     skinny_stages = 3
-    # A small batch's attention output product and the add_rmsnorm after it in one kernel (its
-    # last program normalises `norm_tile` elements' worth of rows at a time).
-    norm_tail = True
-    norm_tile = 8192
 
     def add_rmsnorm(self, x, residual, weight, eps):
         rows, cols = x.shape
@@ -650,7 +591,7 @@ class TritonOps(TorchOps):
         return self._attention(q, k_cache, v_cache, block_tables, seq_lens, block_size, num_splits)
 
     def rope_decode_attention(self, q, k, v, q_norm, k_norm, eps, table, slots, k_cache, v_cache, block_tables,
-                              seq_lens, block_size, num_splits, prefetch=()):
+                              seq_lens, block_size, num_splits):
         head_dim = k_cache.shape[2]
         # The heads' halves are joined back in registers: power-of-two heads of 32 or more
         # (the matrix unit's 16 a half). Other shapes, and `fuse_rope` off, take two kernels.
@@ -659,21 +600,9 @@ class TritonOps(TorchOps):
             return super().rope_decode_attention(q, k, v, q_norm, k_norm, eps, table, slots, k_cache, v_cache,
                                                  block_tables, seq_lens, block_size, num_splits)
         return self._attention(q, k_cache, v_cache, block_tables, seq_lens, block_size, num_splits,
-                               rope=(k, v, q_norm, k_norm, eps, table, slots), prefetch=prefetch)
+                               rope=(k, v, q_norm, k_norm, eps, table, slots))
 
-    def _prefetched(self, batch: int, tensors) -> list[tuple[torch.Tensor, int]]:
-        """(tensor, 128-byte lines) of `tensors` to ask L2 for, within `prefetch_bytes`; none
-        past `prefetch_rows` rows (a large batch's memory is not idle)."""
-        out, budget = [], self.prefetch_bytes if batch <= self.prefetch_rows else 0
-        for t in tensors[:2]:
-            take = min(t.numel() * t.element_size(), budget) // 128
-            if take > 0 and t.is_contiguous() and t.element_size() == 2:
-                out.append((t, take))
-                budget -= take * 128
-        return out
-
-    def _attention(self, q, k_cache, v_cache, block_tables, seq_lens, block_size, num_splits, rope=None,
-                   prefetch=()):
+    def _attention(self, q, k_cache, v_cache, block_tables, seq_lens, block_size, num_splits, rope=None):
         """q [b, H, D] rotated, or with `rope` (k, v, q_norm, k_norm, eps, table, slots) q [b, H*D]
         straight from the product."""
         num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2]
@@ -687,17 +616,14 @@ class TritonOps(TorchOps):
         ml = torch.empty(batch, num_heads, num_splits, 2, dtype=torch.float32, device=device)
         out = torch.empty(batch, num_heads * head_dim, dtype=k_cache.dtype, device=device)
         block_n = self.unsplit_tile if num_splits == 1 and k_cache.element_size() == 2 and head_dim <= 128 else 32
-        pf = self._prefetched(batch, prefetch) + [(unread, 0)] * 2
         _decode_attention_kernel[(batch, num_kv_heads, num_splits)](
             q, k_cache, v_cache, block_tables, seq_lens, out, acc, ml,
             self._counter(device, batch * num_kv_heads, "attention"), block_tables.stride(0), head_dim**-0.5,
             k, v, unread if q_norm is None else q_norm, unread if k_norm is None else k_norm, table, slots,
-            q.stride(0), k.stride(0), v.stride(0), eps, pf[0][0], pf[0][1], pf[1][0], pf[1][1],
-            NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=group,
+            q.stride(0), k.stride(0), v.stride(0), eps, NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=group,
             GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, DIM_PAD=dim_pad, BLOCK_SIZE=block_size,
             BLOCK_N=block_n, NUM_SPLITS=num_splits, IEEE=k_cache.dtype == torch.float32, ROPE=rope is not None,
-            QK_NORM=q_norm is not None, PREFETCH=pf[0][1] > 0, PF_LINE=64, num_warps=self.attention_warps,
-            num_stages=self.attention_stages,
+            QK_NORM=q_norm is not None, num_warps=self.attention_warps, num_stages=self.attention_stages,
             launch_pdl=self.pdl)
         return out
 
@@ -740,17 +666,7 @@ class TritonOps(TorchOps):
                 and weight.numel() * weight.element_size() <= self.skinny_max_bytes
                 and weight.dtype == x.dtype and weight.is_contiguous() and x.stride(1) == 1)
 
-    def linear_add_rmsnorm(self, x, weight, bias, residual, norm_weight, eps):
-        if not (self.norm_tail and self._skinny(x, weight) and residual is not None and residual.is_contiguous()
-                and residual.shape == (x.shape[0], weight.shape[0]) and residual.dtype == x.dtype):
-            return super().linear_add_rmsnorm(x, weight, bias, residual, norm_weight, eps)
-        normed, summed = torch.empty_like(residual), torch.empty_like(residual)
-        self._skinny_linear(x, weight, bias, silu=False, norm=(residual, norm_weight, normed, summed, eps))
-        return normed, summed
-
-    def _skinny_linear(self, x, weight, bias, silu: bool, norm=None):
-        """With `norm` (residual, norm weight, normed out, sum out, eps), the add_rmsnorm after
-        the product too, by the kernel's last program."""
+    def _skinny_linear(self, x, weight, bias, silu: bool):
         rows, k = x.shape
         n = weight.shape[0]
         block_n = self.skinny_block_n
@@ -763,15 +679,11 @@ class TritonOps(TorchOps):
         out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
         part = torch.empty(splits, SKINNY_BLOCK_M, n, dtype=torch.float32, device=x.device) if splits > 1 else out
         counter = self._counter(x.device, blocks, "linear") if splits > 1 else out
-        residual, norm_weight, normed, summed, eps = norm or (out, out, out, out, 0.0)
-        norm_counter = self._counter(x.device, 1, "norm") if norm else out
         _skinny_linear_kernel[(blocks, splits)](
             x, weight, bias if bias is not None else weight, out, part, counter, rows, n, k, k_split, k, x.stride(0),
-            out.stride(0), residual, norm_weight, normed, summed, norm_counter, eps, HAS_BIAS=bias is not None,
-            SILU=silu, SPLITS=splits, BLOCK_M=SKINNY_BLOCK_M, BLOCK_N=block_n, BLOCK_K=self.skinny_block_k,
-            LINES=triton.next_power_of_2(triton.cdiv(k_split, 64)), NORM=norm is not None, NORM_ROWS=max(1, self.norm_tile // triton.next_power_of_2(n)),
-            N_PAD=triton.next_power_of_2(n), num_warps=self.skinny_warps, num_stages=self.skinny_stages,
-            launch_pdl=self.pdl)
+            out.stride(0), HAS_BIAS=bias is not None, SILU=silu, SPLITS=splits, BLOCK_M=SKINNY_BLOCK_M, BLOCK_N=block_n,
+            BLOCK_K=self.skinny_block_k, LINES=triton.next_power_of_2(triton.cdiv(k_split, 64)),
+            num_warps=self.skinny_warps, num_stages=self.skinny_stages, launch_pdl=self.pdl)
         return out
 
     def silu_mul(self, gate, up):

@@ -79,11 +79,9 @@ class TorchOps:
     def rope_decode_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_norm: torch.Tensor | None,
                               k_norm: torch.Tensor | None, eps: float, table: torch.Tensor, slots: torch.Tensor,
                               k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                              seq_lens: torch.Tensor, block_size: int, num_splits: int,
-                              prefetch: tuple[torch.Tensor, ...] = ()) -> torch.Tensor:
+                              seq_lens: torch.Tensor, block_size: int, num_splits: int) -> torch.Tensor:
         """A decode step's attention from the q/k/v product's output (one new token per row, at
-        position seq_lens - 1): `qk_rope_cache`, then `decode_attention`; [b, H*D]. `prefetch`:
-        weights the step reads next, which a GPU kernel may ask the cache for meanwhile."""
+        position seq_lens - 1): `qk_rope_cache`, then `decode_attention`; [b, H*D]."""
         q = self.qk_rope_cache(q, k, v, q_norm, k_norm, eps, table, seq_lens - 1, slots, k_cache, v_cache)
         return self.decode_attention(q, k_cache, v_cache, block_tables, seq_lens, block_size, num_splits)
 
@@ -104,13 +102,6 @@ class TorchOps:
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x [T, K] times weight [N, K] transposed, plus bias [N]: [T, N], as `nn.Linear`."""
         return F.linear(x, weight, bias)
-
-    def linear_add_rmsnorm(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                           residual: torch.Tensor, norm_weight: torch.Tensor,
-                           eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """`add_rmsnorm(linear(x, weight, bias), residual, norm_weight, eps)`: a product and the
-        residual add and norm after it."""
-        return self.add_rmsnorm(self.linear(x, weight, bias), residual, norm_weight, eps)
 
     def silu_mul_linear(self, gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor,
                         bias: torch.Tensor | None = None) -> torch.Tensor:
