@@ -1,5 +1,5 @@
 """A one-off experiment (2026-12-02): the decode step with the paged attention split for more
-programs per SM, or launched with other warps and pipeline stages, at batches 16-256; alternating
+(or fewer) programs per SM, or launched with other warps, pipeline stages or tiles, at batches 16-256; alternating
 in one process on one model (step time = (a call making 128 tokens - a call making 1) / 127, the
 median of 3, graphs captured again for each variant). Then, at the base settings, where a call's
 host time goes: the scheduler's phase times for a 1-token and a 128-token call, and the host-side
@@ -31,6 +31,10 @@ VARIANTS = {
     "stages3": dict(attention_stages=3),
     "warps2": dict(attention_warps=2),
     "split8 warps2": dict(split_programs_per_sm=8, attention_warps=2),
+    # later the same day, with RoPE inside the attention kernel (5a584f6)
+    "split1": dict(split_programs_per_sm=1),
+    "stages1": dict(attention_stages=1),
+    "tile32": dict(unsplit_tile=32),
 }
 
 

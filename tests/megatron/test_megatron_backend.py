@@ -103,10 +103,13 @@ def test_tensor_parallel_2_is_the_torch_model(trainers, model_dir, tmp_path):
     for key in ("loss", "pg_loss", "grad_norm"):
         assert megatron_metrics[key] == pytest.approx(torch_metrics[key], rel=1e-4, abs=1e-6), key
 
-    # The step moved both models the same way; the sync now reads the new weights.
+    # The step moved both models the same way; the sync now reads the new weights. Adam's first
+    # step moves a weight by up to lr (1e-2) whatever its gradient's size, so gradients that differ
+    # in the last bits (two ranks' partial sums over gloo against one sum) move it differently by
+    # ~0.1% of that: 1.04e-5 on one o_proj element on a 2026-12-02 CPU. 1% of lr is "the same way".
     after = _hf_weights(rank0)
     for name, tensor in _hf_weights(torch_trainer).items():
-        assert torch.allclose(after[name], tensor, atol=1e-5), name
+        assert torch.allclose(after[name], tensor, atol=1e-4), name
     assert torch.allclose(_flat(group.compute_logprobs("", batch)), _flat(torch_trainer.compute_logprobs("", batch)),
                           atol=1e-5)
 
