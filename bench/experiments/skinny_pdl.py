@@ -27,6 +27,11 @@ VARIANTS = {  # name: (skinny rows, pdl, block_n, block_k, warps, stages, larges
     "skinny+pdl <=8MB": (16, True, 64, 128, 4, 3, 8 << 20),
     "skinny+pdl <=10MB": (16, True, 64, 128, 4, 3, 10 << 20),
     "skinny+pdl <=8MB n32": (16, True, 32, 128, 4, 3, 8 << 20),
+    # Later still (RoPE inside attention, 5a584f6 on): the kernel with row tiles of 32 or 64 for
+    # q/k/v and o at any batch, against cuBLAS past 16 rows
+    "rows<=16": (16, True, 64, 128, 4, 3, 8 << 20),
+    "rows<=256": (256, True, 64, 128, 4, 3, 8 << 20),
+    "rows<=64": (64, True, 64, 128, 4, 3, 8 << 20),
     # Later the same day a variant of the kernel loading its weight tile whole before the wait
     # ("resident <=8MB", "resident <=10MB", "resident all", "resident all silu apart", "resident
     # all k512" in bench/results/skinny_pdl-experiment-{5,6}-*.txt) was measured; it did not pay

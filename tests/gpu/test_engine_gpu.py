@@ -92,16 +92,18 @@ def test_kernels_compute_what_the_torch_ops_compute(dtype, tolerance):
         assert torch.equal(t1, t2) and torch.allclose(l1, l2, atol=1e-4)
 
 
-@pytest.mark.parametrize("rows", [1, 5, 16, 17])
+@pytest.mark.parametrize("rows", [1, 5, 16, 17, 64, 200])
 def test_small_batch_products_compute_what_the_torch_ops_compute(rows):
-    """The decode step's products at batch <= 16 (`_skinny_linear_kernel`, split over k and
-    merged by the last program of each column block, launched ahead of the kernel before it):
-    q/k/v with its bias, and the MLP's down product with the activation fused in; 17 rows go to
-    cuBLAS. Twice in a row, as a captured graph replays them: the same bits both times."""
+    """The decode step's products on `_skinny_linear_kernel` (split over k and merged by the
+    last program of each column block, launched ahead of the kernel before it; one row tile up
+    to 16 rows, tiles of 32 or 64 rows past that): q/k/v with its bias, and the MLP's down
+    product with the activation fused in. Twice in a row, as a captured graph replays them: the
+    same bits both times."""
     from services.rollout.builtin.kernels import TritonOps
 
     ref, tri = TorchOps(), TritonOps()
     tri.skinny_max_bytes = 1 << 30  # the 8.7 MB down product too (the engine leaves it to cuBLAS)
+    tri.skinny_rows = 256  # every row count here on the kernel, whatever the engine's setting
     gen = torch.Generator(device="cuda").manual_seed(1)
 
     def rnd(*shape, scale=1.0):

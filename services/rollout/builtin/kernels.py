@@ -297,7 +297,8 @@ def _silu_mul_kernel(gate_ptr, up_ptr, out_ptr, n_cols, stride_gate, stride_up, 
     tl.store(out_ptr + row * n_cols + cols, _silu_times(gate, up), mask=mask)
 
 
-SKINNY_BLOCK_M = 16  # rows of `_skinny_linear_kernel`'s tile: the matrix unit's narrowest side
+SKINNY_BLOCK_M = 16  # rows of `_skinny_linear_kernel`'s tile at most 16 rows: the matrix unit's narrowest side
+SKINNY_MAX_BLOCK_M = 64  # rows of its tile for more rows (several row tiles)
 
 
 @triton.jit
@@ -332,9 +333,9 @@ def _skinny_linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, count_ptr, row
                           stride_x, stride_out, HAS_BIAS: tl.constexpr, SILU: tl.constexpr, SPLITS: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                           LINES: tl.constexpr):
-    """out [rows, n] = x [rows, k] @ w [n, k]^T (+ bias) for a decode step's few rows (at most
-    BLOCK_M): one program per (BLOCK_N output columns, share of k), the weight's rows on the
-    matrix unit's long side.
+    """out [rows, n] = x [rows, k] @ w [n, k]^T (+ bias) for a decode step's rows: one program
+    per (BLOCK_N output columns, share of k, BLOCK_M rows), the weight's rows on the matrix
+    unit's long side.
 
     Before `gdc_wait` the program asks L2 for its whole weight tile: with programmatic dependent
     launch it starts while the kernel before it (whose output is x) still runs, so the weight
@@ -346,6 +347,8 @@ def _skinny_linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, count_ptr, row
     order: one launch, and the same sum whatever order the programs finish in."""
     pid = tl.program_id(0)
     split = tl.program_id(1)
+    row_tile = tl.program_id(2)
+    m_pad = tl.num_programs(2) * BLOCK_M  # rows of the partials
     cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = cols < n
     k_start = split * k_split
@@ -355,7 +358,7 @@ def _skinny_linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, count_ptr, row
     _prefetch_l2(tl.where(n_ok[:, None] & (line < k_end)[None, :], rows_w[:, None] + line[None, :], w_ptr))
     tl.extra.cuda.gdc_wait()  # the kernel before this one (x's writer) has finished
     tl.extra.cuda.gdc_launch_dependents()
-    m = tl.arange(0, BLOCK_M)
+    m = row_tile * BLOCK_M + tl.arange(0, BLOCK_M)
     m_ok = m < rows
     acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
     for first in range(k_start, k_end, BLOCK_K):
@@ -367,15 +370,15 @@ def _skinny_linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, count_ptr, row
     if SPLITS == 1:
         _finish_linear(acc, b_ptr, out_ptr, cols, n_ok, m, stride_out, out_mask, HAS_BIAS)
     else:
-        part = part_ptr + m[None, :] * n + cols[:, None]  # partials [SPLITS, BLOCK_M, n]
-        tl.store(part + split * BLOCK_M * n, acc, mask=out_mask)
+        part = part_ptr + m[None, :] * n + cols[:, None]  # partials [SPLITS, m_pad, n]
+        tl.store(part + split * m_pad * n, acc, mask=out_mask)
         tl.debug_barrier()  # every thread's partial is written before the count says so
-        counter = count_ptr + pid
+        counter = count_ptr + pid * tl.num_programs(2) + row_tile
         if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == SPLITS - 1:
             tl.debug_barrier()
             total = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
             for other in tl.static_range(SPLITS):
-                total += tl.load(part + other * BLOCK_M * n, mask=out_mask, other=0.0, cache_modifier=".cg")
+                total += tl.load(part + other * m_pad * n, mask=out_mask, other=0.0, cache_modifier=".cg")
             _finish_linear(total, b_ptr, out_ptr, cols, n_ok, m, stride_out, out_mask, HAS_BIAS)
             tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")  # ready for the next launch
 
@@ -545,7 +548,7 @@ class TritonOps(TorchOps):
     # the MLP's (9-55 MB) cuBLAS streams better. H200, decode step at batch 16, 0.5B shape:
     # cuBLAS 983 us, all products skinny 997, those up to 8 MB 918, up to 10 MB 937; 1.5B 1690,
     # 2085, 1622 (bench/experiments/skinny_pdl.py, bench/results/skinny_pdl-experiment-*.txt).
-    skinny_rows = 16  # at most SKINNY_BLOCK_M
+    skinny_rows = 16
     skinny_max_bytes = 8 << 20
     skinny_block_n = 64  # weight rows per program: one warpgroup's matrix-unit tile (n32: 0.5B 947 us)
     skinny_block_k = 128
@@ -662,7 +665,7 @@ class TritonOps(TorchOps):
         return self._skinny_linear(gate, weight, bias, silu=True)
 
     def _skinny(self, x, weight) -> bool:
-        return (x.shape[0] <= min(self.skinny_rows, SKINNY_BLOCK_M) and x.dtype in (torch.bfloat16, torch.float16)
+        return (x.shape[0] <= self.skinny_rows and x.dtype in (torch.bfloat16, torch.float16)
                 and weight.numel() * weight.element_size() <= self.skinny_max_bytes
                 and weight.dtype == x.dtype and weight.is_contiguous() and x.stride(1) == 1)
 
@@ -671,17 +674,19 @@ class TritonOps(TorchOps):
         n = weight.shape[0]
         block_n = self.skinny_block_n
         blocks = triton.cdiv(n, block_n)
+        block_m = min(SKINNY_MAX_BLOCK_M, max(SKINNY_BLOCK_M, triton.next_power_of_2(rows)))
+        row_tiles = triton.cdiv(rows, block_m)
         # Shares of k enough for ~2 programs per SM (small products need them to fetch their
         # weights in parallel), each at least 256 wide; a share starts on a 128-byte line.
-        splits = max(1, min(triton.cdiv(2 * devices.sm_count(x.device), blocks), k // 256))
+        splits = max(1, min(triton.cdiv(2 * devices.sm_count(x.device), blocks * row_tiles), k // 256))
         k_split = triton.cdiv(triton.cdiv(k, splits), 64) * 64
         splits = triton.cdiv(k, k_split)
         out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
-        part = torch.empty(splits, SKINNY_BLOCK_M, n, dtype=torch.float32, device=x.device) if splits > 1 else out
-        counter = self._counter(x.device, blocks, "linear") if splits > 1 else out
-        _skinny_linear_kernel[(blocks, splits)](
+        part = torch.empty(splits, row_tiles * block_m, n, dtype=torch.float32, device=x.device) if splits > 1 else out
+        counter = self._counter(x.device, blocks * row_tiles, "linear") if splits > 1 else out
+        _skinny_linear_kernel[(blocks, splits, row_tiles)](
             x, weight, bias if bias is not None else weight, out, part, counter, rows, n, k, k_split, k, x.stride(0),
-            out.stride(0), HAS_BIAS=bias is not None, SILU=silu, SPLITS=splits, BLOCK_M=SKINNY_BLOCK_M, BLOCK_N=block_n,
+            out.stride(0), HAS_BIAS=bias is not None, SILU=silu, SPLITS=splits, BLOCK_M=block_m, BLOCK_N=block_n,
             BLOCK_K=self.skinny_block_k, LINES=triton.next_power_of_2(triton.cdiv(k_split, 64)),
             num_warps=self.skinny_warps, num_stages=self.skinny_stages, launch_pdl=self.pdl)
         return out
