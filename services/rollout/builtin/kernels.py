@@ -173,8 +173,7 @@ def _attend_tile(q, k, v, ok, m, l, acc, scale, IEEE: tl.constexpr):
 @triton.jit
 def _decode_attention_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, len_ptr, out_ptr, acc_ptr, ml_ptr, count_ptr, stride_bt,
                              scale, k_ptr, v_ptr, qn_ptr, kn_ptr, table_ptr, slot_ptr, stride_q, stride_k, stride_v,
-                             eps, NUM_HEADS: tl.constexpr,
-                             NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
+                             eps, NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
                              GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
                              BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
                              IEEE: tl.constexpr, ROPE: tl.constexpr, QK_NORM: tl.constexpr):
@@ -297,8 +296,10 @@ def _silu_mul_kernel(gate_ptr, up_ptr, out_ptr, n_cols, stride_gate, stride_up, 
     tl.store(out_ptr + row * n_cols + cols, _silu_times(gate, up), mask=mask)
 
 
-SKINNY_BLOCK_M = 16  # rows of `_skinny_linear_kernel`'s tile at most 16 rows: the matrix unit's narrowest side
-SKINNY_MAX_BLOCK_M = 64  # rows of its tile for more rows (several row tiles)
+# Rows of `_skinny_linear_kernel`'s tile: 16 (the matrix unit's narrowest side) for a batch of
+# up to 16, the batch's power of two up to 64 past that, in as many row tiles as it takes.
+SKINNY_BLOCK_M = 16
+SKINNY_MAX_BLOCK_M = 64
 
 
 @triton.jit
