@@ -29,10 +29,11 @@ def step_us(core: GenerationCore, prompts: list[list[int]]) -> float:
 
 def alternate(names: list[str], batches: list[int], apply: Callable[[GenerationCore, str], None], *,
               describe: Callable[[GenerationCore, list[list[int]]], str] | None = None,
-              after: Callable[[str, int, GenerationCore, list[list[int]]], None] | None = None) -> None:
+              after: Callable[[str, int, GenerationCore, list[list[int]]], None] | None = None,
+              shapes: tuple[str, ...] = ("0.5b", "1.5b")) -> None:
     """`apply(core, name)` sets a variant's knobs; `describe` adds to its line (first tokens, say);
     `after(shape, batch, core, prompts)` runs once a batch's variants are done."""
-    for shape in ("0.5b", "1.5b"):
+    for shape in shapes:
         model = make_model(shape, torch.bfloat16, "cuda")
         core = GenerationCore(model, _Ids(), torch.device("cuda"), CoreSettings(max_batch_size=256))
         rng = random.Random(0)

@@ -10,6 +10,7 @@ operations of a 1-token call as the profiler counts them.
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from pathlib import Path
@@ -18,11 +19,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from bench.experiments.alternate import alternate, cli  # noqa: E402
+from bench.experiments.alternate import alternate, cli, greedy_tail  # noqa: E402
 from services.rollout.builtin.core import GenerationCore  # noqa: E402
 from services.rollout.types import Sampling  # noqa: E402
 
-BASE = dict(split_programs_per_sm=2, attention_warps=4, attention_stages=2, unsplit_tile=64)
+BASE = dict(split_programs_per_sm=2, attention_warps=4, attention_stages=2, unsplit_tile=64, attention_prefetch=0,
+            attention_maxnreg=None)
 VARIANTS = {
     "base": {},
     "split4": dict(split_programs_per_sm=4),
@@ -35,6 +37,14 @@ VARIANTS = {
     "split1": dict(split_programs_per_sm=1),
     "stages1": dict(attention_stages=1),
     "tile32": dict(unsplit_tile=32),
+    # the next day: the tokens after the first tile asked of L2 before the wait, and a register
+    # cap for the unsplit kernel (200 registers a thread at 64-token tiles: 2 programs an SM)
+    "pf128": dict(attention_prefetch=128),
+    "pf256": dict(attention_prefetch=256),
+    "reg128": dict(attention_maxnreg=128),
+    "pf128 reg128": dict(attention_prefetch=128, attention_maxnreg=128),
+    "tile32 pf128": dict(unsplit_tile=32, attention_prefetch=128),
+    "tile32 pf128 reg128": dict(unsplit_tile=32, attention_prefetch=128, attention_maxnreg=128),
 }
 
 
@@ -62,14 +72,14 @@ def apply(core: GenerationCore, name: str) -> None:
 
 
 def after(shape: str, batch: int, core: GenerationCore, prompts: list[list[int]]) -> None:
-    if shape == "0.5b" and batch in (256, 16):
+    if shape == "0.5b" and batch in (256, 16) and not os.environ.get("NO_HOST_BREAKDOWN"):
         apply(core, "base")
         core.runner.drop_graphs()
         host_breakdown(core, prompts)
 
 
 def main() -> None:
-    alternate(*cli(VARIANTS, [256, 64, 16]), apply, after=after)
+    alternate(*cli(VARIANTS, [256, 64, 16]), apply, after=after, describe=greedy_tail)
 
 if __name__ == "__main__":
     main()

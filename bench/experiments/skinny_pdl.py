@@ -32,6 +32,9 @@ VARIANTS = {  # name: (skinny rows, pdl, block_n, block_k, warps, stages, larges
     "rows<=16": (16, True, 64, 128, 4, 3, 8 << 20),
     "rows<=256": (256, True, 64, 128, 4, 3, 8 << 20),
     "rows<=64": (64, True, 64, 128, 4, 3, 8 << 20),
+    # and the MLP's down product too (the 0.5B's is 8.7 MB; SiLU read in), or every product
+    "rows<=256 <=10MB": (256, True, 64, 128, 4, 3, 10 << 20),
+    "rows<=256 all": (256, True, 64, 128, 4, 3, 1 << 40),
     # Later the same day a variant of the kernel loading its weight tile whole before the wait
     # ("resident <=8MB", "resident <=10MB", "resident all", "resident all silu apart", "resident
     # all k512" in bench/results/skinny_pdl-experiment-{5,6}-*.txt) was measured; it did not pay
