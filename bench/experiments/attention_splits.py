@@ -23,8 +23,7 @@ from bench.experiments.alternate import alternate, cli, greedy_tail  # noqa: E40
 from services.rollout.builtin.core import GenerationCore  # noqa: E402
 from services.rollout.types import Sampling  # noqa: E402
 
-BASE = dict(split_programs_per_sm=2, attention_warps=4, attention_stages=2, unsplit_tile=64, attention_prefetch=0,
-            attention_maxnreg=None)
+BASE = dict(split_programs_per_sm=2, attention_warps=4, attention_stages=2, unsplit_tile=64)
 VARIANTS = {
     "base": {},
     "split4": dict(split_programs_per_sm=4),
@@ -37,14 +36,14 @@ VARIANTS = {
     "split1": dict(split_programs_per_sm=1),
     "stages1": dict(attention_stages=1),
     "tile32": dict(unsplit_tile=32),
-    # the next day: the tokens after the first tile asked of L2 before the wait, and a register
-    # cap for the unsplit kernel (200 registers a thread at 64-token tiles: 2 programs an SM)
-    "pf128": dict(attention_prefetch=128),
-    "pf256": dict(attention_prefetch=256),
-    "reg128": dict(attention_maxnreg=128),
-    "pf128 reg128": dict(attention_prefetch=128, attention_maxnreg=128),
-    "tile32 pf128": dict(unsplit_tile=32, attention_prefetch=128),
-    "tile32 pf128 reg128": dict(unsplit_tile=32, attention_prefetch=128, attention_maxnreg=128),
+    # the next day, at 1dbc3b3 only (the knobs were taken out: within 1-2%, mostly slower): the
+    # tokens after the first tile asked of L2 before the wait ("pf128", "pf256"), a register cap
+    # of 128 for the unsplit kernel ("reg128"), and their mixes with 32-token tiles
+    # (bench/results/attention_splits-experiment-3-*). Then 128-token tiles for unsplit rows of
+    # heads up to 64 wide (wider heads stay at 64), so a row of up to 128 tokens is read whole
+    # before the wait:
+    "tile128": dict(unsplit_tile=128),
+    "tile128 stages1": dict(unsplit_tile=128, attention_stages=1),
 }
 
 

@@ -5,7 +5,7 @@ on one model. (The recorded run patched the same launch in by a copy of `decode_
 drops the captured graphs first, so every trial pays the same captures; the first trial of each
 shape also compiles its kernels and is slow for that reason.
 
-    python bench/experiments/attention_tile_rl.py   # on a GPU; output: bench/results/attention_tile_rl-*.txt
+    python bench/experiments/attention_tile_rl.py [tiles] [shapes]   # on a GPU; output: bench/results/attention_tile_rl-*.txt
 """
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ from services.rollout.types import Sampling  # noqa: E402
 
 
 def main() -> None:
-    for shape in ("0.5b", "1.5b"):
+    tiles = [int(t) for t in sys.argv[1].split(",")] if len(sys.argv) > 1 else [32, 64, 32, 64]
+    for shape in sys.argv[2].split(",") if len(sys.argv) > 2 else ("0.5b", "1.5b"):
         model = make_model(shape, torch.bfloat16, "cuda")
         vocab = model.config.vocab_size
         rng = random.Random(1)
@@ -34,7 +35,7 @@ def main() -> None:
         prompts = [[rng.randrange(vocab) for _ in range(rng.randint(64, 512))] for _ in range(128)]
         sampling = Sampling(temperature=1.0, max_new_tokens=1024, n=8, seed=3, stop_token_ids=stops)
         core = GenerationCore(model, _Ids(), torch.device("cuda"), CoreSettings(max_batch_size=256))
-        for tile in (32, 64, 32, 64):
+        for tile in tiles:
             K.TritonOps.unsplit_tile = tile
             if core.runner is not None:
                 core.runner.drop_graphs()

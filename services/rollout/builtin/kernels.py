@@ -176,8 +176,7 @@ def _decode_attention_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, len_ptr, out_ptr, ac
                              eps, NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
                              GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
                              BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                             IEEE: tl.constexpr, ROPE: tl.constexpr, QK_NORM: tl.constexpr,
-                             PREFETCH: tl.constexpr, LINES: tl.constexpr):
+                             IEEE: tl.constexpr, ROPE: tl.constexpr, QK_NORM: tl.constexpr):
     """One (row, KV head, split): attention of the GROUP query heads over the split's share of
     the row's cached tokens. With several splits each writes its partial result, and the last
     to finish (an atomic count per row and KV head) merges them: one launch either way.
@@ -213,16 +212,6 @@ def _decode_attention_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, len_ptr, out_ptr, ac
         slot_new = tl.load(slot_ptr + row, mask=owner, other=0).to(tl.int64)
     else:
         cached_end = end
-    if PREFETCH > 0:
-        # The PREFETCH tokens after the first tile asked of L2 too (LINES 128-byte lines of key
-        # and of value a token), so that the loop after the wait finds them there.
-        t = start + BLOCK_N + tl.arange(0, PREFETCH)
-        t_ok = t < cached_end
-        block = tl.load(bt_ptr + row * stride_bt + t // BLOCK_SIZE, mask=t_ok, other=0).to(tl.int64)
-        offs = ((block * BLOCK_SIZE + t % BLOCK_SIZE) * NUM_KV_HEADS + kv_head)[:, None] * HEAD_DIM \
-            + (tl.arange(0, LINES) * (HEAD_DIM // LINES))[None, :]
-        _prefetch_l2(tl.where(t_ok[:, None], kc_ptr + offs, kc_ptr))
-        _prefetch_l2(tl.where(t_ok[:, None], vc_ptr + offs, vc_ptr))
     tl.extra.cuda.gdc_wait()  # q (k, v) come from the kernel before
     tl.extra.cuda.gdc_launch_dependents()
     m = tl.full((GROUP_PAD,), float("-inf"), tl.float32)
@@ -551,8 +540,6 @@ class TritonOps(TorchOps):
     unsplit_tile = 64
     attention_warps = 4  # 2 warps or 3 stages: within 2% (bench/results/attention_splits-experiment-*)
     attention_stages = 2
-    attention_prefetch = 0  # tokens past the first tile asked of L2 before the wait (0: none)
-    attention_maxnreg: int | None = None  # a register cap for the unsplit kernel (None: the compiler's)
     # A decode step's RoPE and key/value store inside the attention kernel (one kernel a layer fewer).
     fuse_rope = True
     # Products of at most `skinny_rows` rows (a small batch's decode step) whose weight is at most
@@ -632,7 +619,9 @@ class TritonOps(TorchOps):
         acc = torch.empty(batch, num_heads, num_splits, dim_pad, dtype=torch.float32, device=device)
         ml = torch.empty(batch, num_heads, num_splits, 2, dtype=torch.float32, device=device)
         out = torch.empty(batch, num_heads * head_dim, dtype=k_cache.dtype, device=device)
-        block_n = self.unsplit_tile if num_splits == 1 and k_cache.element_size() == 2 and head_dim <= 128 else 32
+        block_n = 32
+        if num_splits == 1 and k_cache.element_size() == 2 and head_dim <= 128:
+            block_n = min(self.unsplit_tile, 8192 // head_dim)  # a tile of keys 16 KB at most
         _decode_attention_kernel[(batch, num_kv_heads, num_splits)](
             q, k_cache, v_cache, block_tables, seq_lens, out, acc, ml,
             self._counter(device, batch * num_kv_heads, "attention"), block_tables.stride(0), head_dim**-0.5,
@@ -640,10 +629,8 @@ class TritonOps(TorchOps):
             q.stride(0), k.stride(0), v.stride(0), eps, NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=group,
             GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, DIM_PAD=dim_pad, BLOCK_SIZE=block_size,
             BLOCK_N=block_n, NUM_SPLITS=num_splits, IEEE=k_cache.dtype == torch.float32, ROPE=rope is not None,
-            QK_NORM=q_norm is not None, PREFETCH=self.attention_prefetch,
-            LINES=max(1, head_dim * k_cache.element_size() // 128), num_warps=self.attention_warps,
-            num_stages=self.attention_stages, launch_pdl=self.pdl,
-            **({"maxnreg": self.attention_maxnreg} if self.attention_maxnreg and num_splits == 1 else {}))
+            QK_NORM=q_norm is not None, num_warps=self.attention_warps, num_stages=self.attention_stages,
+            launch_pdl=self.pdl)
         return out
 
     def _counter(self, device: torch.device, size: int, kind: str) -> torch.Tensor:
