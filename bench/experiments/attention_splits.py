@@ -44,6 +44,9 @@ VARIANTS = {
     # before the wait:
     "tile128": dict(unsplit_tile=128),
     "tile128 stages1": dict(unsplit_tile=128, attention_stages=1),
+    # (The recorded run, attention_splits-experiment-4-*, on an H100, also had "late table": its
+    # "base" there read the first tile's block-table entries alongside the row length instead of
+    # after it, a change tried in the working tree and not kept: 0.5B batch 256 -1%, 1.5B +2%.)
 }
 
 

@@ -536,7 +536,11 @@ class TritonOps(TorchOps):
     # H200, RL-shaped rows of up to 1500 tokens, 0.5B 59.9k -> 64.7k tokens/s, 1.5B 37.5k ->
     # 41.0k (bench/experiments/attention_tile_rl.py); on rows under 200 tokens they cost the 1.5B
     # step ~1%. Split rows (small batches) keep 32, the fastest there, as do float32 and heads
-    # wider than 128, whose 64-row tiles may not fit shared memory.
+    # wider than 128, whose 64-row tiles may not fit shared memory. A tile is at most 16 KB of
+    # keys: 128 tokens only for heads up to 64 wide. 128 measured on an H100: RL-shaped 0.5B
+    # +3-6% (65.3k -> 67.3k-69.5k tokens/s), the sweep's batch 256 -5% (1522 -> 1604 us a step;
+    # its two 64 KB pipeline stages leave room for 3 programs an SM), with one stage the sweep
+    # the same and RL -8% (bench/results/attention_*-experiment-*-nvidia-h100-*): kept at 64.
     unsplit_tile = 64
     attention_warps = 4  # 2 warps or 3 stages: within 2% (bench/results/attention_splits-experiment-*)
     attention_stages = 2
