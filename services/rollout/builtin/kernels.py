@@ -553,6 +553,9 @@ class TritonOps(TorchOps):
     # the MLP's (9-55 MB) cuBLAS streams better. H200, decode step at batch 16, 0.5B shape:
     # cuBLAS 983 us, all products skinny 997, those up to 8 MB 918, up to 10 MB 937; 1.5B 1690,
     # 2085, 1622 (bench/experiments/skinny_pdl.py, bench/results/skinny_pdl-experiment-*.txt).
+    # Past 16 rows the kernel takes row tiles of 32 or 64, and loses to cuBLAS: q/k/v and o on it
+    # at every batch, 0.5B batch 256 1399 -> 1530 us, 1.5B batch 64 1762 -> 1876; only 0.5B batch
+    # 64 gains (1000 -> 973). Hence 16 (skinny_pdl-experiment-7-*).
     skinny_rows = 16
     skinny_max_bytes = 8 << 20
     skinny_block_n = 64  # weight rows per program: one warpgroup's matrix-unit tile (n32: 0.5B 947 us)
