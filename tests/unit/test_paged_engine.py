@@ -5,6 +5,8 @@ samples distributed as the softmax says."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -47,6 +49,9 @@ def test_samples_sharing_a_prompts_blocks_match_a_full_forward():
         start = len(result.prompt_ids)
         expected = [logprobs[start - 1 + k, tok].item() for k, tok in enumerate(result.output_ids)]
         assert result.logprobs == pytest.approx(expected, abs=1e-4)
+        # plain Python values, ready for JSON or protobuf (no numpy or torch scalars)
+        assert {type(t) for t in result.output_ids} == {int} and {type(x) for x in result.logprobs} == {float}
+        json.dumps([result.output_ids, result.logprobs])
     greedy = core.generate([LONG], Sampling(temperature=0, max_new_tokens=20, n=3, ignore_eos=True))
     assert greedy[0].output_ids == greedy[1].output_ids == greedy[2].output_ids
     assert core.scheduler.last_stats.prefills == 1  # one prefill for the three samples
