@@ -5,6 +5,13 @@ time goes. Only the launches between cudaProfilerStart and Stop are profiled; th
 
     ncu --clock-control none --profile-from-start off --section SpeedOfLight --section Occupancy \
         --section WarpStateStats --section MemoryWorkloadAnalysis python3 bench/experiments/attention_ncu.py
+
+Not yet run, and the next thing to ask: which source lines the warps stall on (Triton keeps line
+information), e.g. `ncu --set full --import-source yes --page source --print-source sass ...`.
+Compiled for sm_90 off the device (aligned pointers, as the JIT specialises them) the RoPE
+variant at 64-token tiles is 1368 SASS instructions, 624 without RoPE (that one's first tile
+is not peeled out of the loop), at 80 registers: the RoPE work, a [1, D] key tile and layout
+conversions are a large share of the chain after the wait.
 """
 
 from __future__ import annotations
