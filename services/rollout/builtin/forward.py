@@ -95,10 +95,10 @@ class PagedDecoder:
             # this layer wrote, as a dense right-padded batch.
             k_cache, v_cache = self.cache.layer(layer_index)
             q_norm, k_norm = self._qk_norms(layer_index)
-            flat = slots.reshape(-1)
+            flat = slots.reshape(-1).long()
             q = self.ops.qk_rope_cache(q, k, v, q_norm, k_norm, self.eps, self.rope, positions, flat, k_cache, v_cache)
-            k = k_cache[flat.long()].view(groups, length, -1, self.config.head_dim)
-            v = v_cache[flat.long()].view(groups, length, -1, self.config.head_dim)
+            k = k_cache[flat].view(groups, length, -1, self.config.head_dim)
+            v = v_cache[flat].view(groups, length, -1, self.config.head_dim)
             out = self.ops.prefill_attention(q.view(groups, length, -1, self.config.head_dim), k, v)
             return out.reshape(groups * length, -1)
 
