@@ -14,8 +14,9 @@ each starts before the one before it ends (programmatic dependent launch, Hopper
 - `silu_mul`: the gated MLP's activation;
 - `skinny_linear`: a small batch's attention products, their weights fetched into L2 while the
   kernel before still runs;
-- `sample`: logsumexp, the seeded Gumbel-max draw and the chosen token's logprob in one read of
-  the logits (see `sampling.py` for the draw and the hash it shares with the torch version).
+- `sample`: logsumexp, the seeded draw's sums and the chosen token's logprob in one read of the
+  logits, the draw itself in the kernel that records the token (see `sampling.py` for the draw
+  and the hash it shares with the torch version).
 Every kernel rounds where the decoder rounds (see `ops.py`), so bf16 results track the eager model.
 """
 
@@ -27,6 +28,7 @@ import triton.language as tl
 
 from services import devices
 
+from services.rollout.builtin import sampling
 from services.rollout.builtin.ops import TorchOps
 
 
@@ -393,129 +395,159 @@ def _hash32(x):
 
 
 @triton.jit
-def _fast_log2(x):
-    """log2 of a positive float32 on the special-function unit (lg2.approx: absolute error
-    ~2**-22.6 on the result), where libdevice's exact logarithm costs ~20 instructions."""
-    return tl.inline_asm_elementwise("lg2.approx.ftz.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True,
-                                     pack=1)
+def _running_lse(x, m, total):
+    """One block's step of a per-lane running max m and sum of exp2(x - m), x in log2 units.
+    One exp2(-|x - m|) serves both cases: x above the max rescales the sum, x below adds to it."""
+    e = tl.exp2(-tl.abs(x - m))
+    total = tl.where(x > m, total * e + 1.0, tl.where(x > float("-inf"), total + e, total))
+    return tl.maximum(m, x), total
 
 
 @triton.jit
-def _neg_log_uniform(top):
-    """-ln u for u = (top + 1/2) / 2**24, to a relative ~1e-6 everywhere. The largest noise comes
-    from u near 1, where -ln u is small and an approximate log2 of u would be all error: there
-    it is the series of w = 1 - u (exact in float32) to w**7, past u = 7/8 an approximate log2."""
-    LN2: tl.constexpr = 0.6931471805599453
-    u = (top.to(tl.float32) + 0.5) * (1.0 / 16777216.0)
-    w = ((0xFFFFFF - top).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
-    series = w * (1.0 + w * (1.0 / 2 + w * (1.0 / 3 + w * (1.0 / 4 + w * (1.0 / 5 + w * (1.0 / 6 + w * (1.0 / 7)))))))
-    return tl.where(w < 0.125, series, -_fast_log2(u) * LN2)
+def _lanes_lse(m, total):
+    """The lanes' running maxima and sums as one max and sum (log2 units)."""
+    top = tl.max(m, axis=0)
+    return top, tl.sum(tl.where(m > float("-inf"), total * tl.exp2(m - top), 0.0), axis=0)
 
 
 @triton.jit
-def _sample_chunk_kernel(logits_ptr, scores_ptr, keys_ptr, steps_ptr, inv_temp_ptr, part_ptr, tok_part_ptr, vocab,
-                         chunk, stride_logits, stride_scores, NUM_CHUNKS: tl.constexpr, GREEDY: tl.constexpr,
-                         SCALE_SCORES: tl.constexpr, BLOCK_V: tl.constexpr):
-    """One vocabulary chunk of one row: its max and exp-sum of the raw logits, and its best
-    (noised) score and token. Chunks let a small batch spread one row over many programs.
-
-    A large batch is bound by instructions, not by the logits' bytes, so each token costs one
-    exp and the noise's two logarithms, one of them approximate:
-    - logsumexp keeps a running max per lane, and one exp2(-|x - m|) serves both cases (x above
-      the max: rescale the sum; x below: add to it);
-    - the draw compares (score + g) * log2(e), which orders tokens as score + g does, with
-      g * log2(e) = -log2(-ln u) - log2(ln 2); the constant is dropped. Both logarithms are
-      approximate (`_neg_log_uniform`), to ~2e-6 on g: a draw differs from the reference's
-      only where two noised scores tie to that.
-    """
+def _sample_chunk_kernel(logits_ptr, scores_ptr, inv_temp_ptr, part_ptr, tok_part_ptr, vocab, stride_logits,
+                         stride_scores, NUM_CHUNKS: tl.constexpr, GREEDY: tl.constexpr, SCALE_SCORES: tl.constexpr,
+                         CHUNK: tl.constexpr, BLOCK_V: tl.constexpr):
+    """One vocabulary chunk of one row, in one read of its logits: the max and exp-sum of the
+    raw logits (for the logprob's logsumexp) and, greedy, the best logit and its token, or,
+    sampling, the max and exp-sum of the scores (for the draw's running sums, `sampling.py`).
+    All in log2 units. At temperature 1 the scores are the logits: one sum serves both."""
     LOG2E: tl.constexpr = 1.4426950408889634
     row = tl.program_id(0)
     c = tl.program_id(1)
     cols = tl.arange(0, BLOCK_V)
-    key = tl.load(keys_ptr + row).to(tl.uint32)
-    step = tl.load(steps_ptr + row).to(tl.uint32)
-    step_key = _hash32(key + step * 0x9E3779B9)
     inv_temp = tl.load(inv_temp_ptr)
-    tl.extra.cuda.gdc_wait()  # the logits' product has finished (row keys and steps were written before it)
+    tl.extra.cuda.gdc_wait()  # the logits' product has finished
     tl.extra.cuda.gdc_launch_dependents()
-    m = tl.full((BLOCK_V,), float("-inf"), tl.float32)  # per lane: running max and exp-sum (logsumexp)
+    if SCALE_SCORES:
+        own = inv_temp != 1.0  # the scores need sums of their own
+    else:
+        own = tl.full((), 1, tl.int1)
+    m = tl.full((BLOCK_V,), float("-inf"), tl.float32)  # per lane: the raw logits' running max and sum
     total = tl.zeros((BLOCK_V,), tl.float32)
-    best = tl.full((BLOCK_V,), float("-inf"), tl.float32)  # per lane: best score so far and its token
-    best_tok = tl.zeros((BLOCK_V,), tl.int32)
-    start = c * chunk
-    end = tl.minimum(start + chunk, vocab)
-    for first in range(start, end, BLOCK_V):
+    best = tl.full((BLOCK_V,), float("-inf"), tl.float32)  # per lane: greedy, best logit; sampling, the scores' max
+    second = tl.zeros((BLOCK_V,), tl.float32)  # and, greedy, its token; sampling, the scores' sum
+    for first in tl.range(c * CHUNK, (c + 1) * CHUNK, BLOCK_V):
         v = first + cols
-        ok = v < end
+        ok = v < vocab  # (not the chunk's end: a mask in whole 16-byte lines keeps the loads wide)
         x = tl.load(logits_ptr + row * stride_logits + v, mask=ok, other=float("-inf")).to(tl.float32)
-        e = tl.exp2(-tl.abs(x - m) * LOG2E)
-        total = tl.where(x > m, total * e + 1.0, tl.where(x > float("-inf"), total + e, total))
-        m = tl.maximum(m, x)
+        m, total = _running_lse(x * LOG2E, m, total)
         if GREEDY:
-            score = x
-        else:
-            score = tl.load(scores_ptr + row * stride_scores + v, mask=ok, other=float("-inf")).to(tl.float32)
+            better = x > best  # strictly: the lowest token id wins a tie, as argmax does
+            best = tl.where(better, x, best)
+            second = tl.where(better, v.to(tl.float32), second)
+        elif own:
             if SCALE_SCORES:
-                score = score * inv_temp
-            top = _hash32(step_key + v.to(tl.uint32) * 0x2545F491) >> 8  # 24 bits: u = (top + 1/2) / 2**24
-            score = tl.where(ok, score * LOG2E - _fast_log2(_neg_log_uniform(top)), float("-inf"))
-        better = score > best  # strictly: the lowest token id wins a tie, as argmax does
-        best = tl.where(better, score, best)
-        best_tok = tl.where(better, v, best_tok)
-    chunk_max = tl.max(m, axis=0)
-    chunk_total = tl.sum(tl.where(m > float("-inf"), total * tl.exp(m - chunk_max), 0.0), axis=0)
-    chunk_best = tl.max(best, axis=0)
-    chunk_tok = tl.min(tl.where(best == chunk_best, best_tok, 2147483647), axis=0)
-    part = (row * NUM_CHUNKS + c) * 3
+                score = x * (inv_temp * LOG2E)
+            else:
+                score = tl.load(scores_ptr + row * stride_scores + v, mask=ok, other=float("-inf")).to(tl.float32) * LOG2E
+            best, second = _running_lse(score, best, second)
+    chunk_max, chunk_total = _lanes_lse(m, total)
+    part = (row * NUM_CHUNKS + c) * 4
     tl.store(part_ptr + part, chunk_max)
     tl.store(part_ptr + part + 1, chunk_total)
-    tl.store(part_ptr + part + 2, chunk_best)
-    tl.store(tok_part_ptr + row * NUM_CHUNKS + c, chunk_tok)
+    if GREEDY:
+        chunk_best = tl.max(best, axis=0)
+        tl.store(part_ptr + part + 2, chunk_best)
+        tl.store(tok_part_ptr + row * NUM_CHUNKS + c, tl.min(tl.where(best == chunk_best, second, 3e38), axis=0).to(tl.int32))
+    else:
+        score_max, score_total = chunk_max, chunk_total
+        if own:
+            score_max, score_total = _lanes_lse(best, second)
+        tl.store(part_ptr + part + 2, score_max)
+        tl.store(part_ptr + part + 3, score_total)
 
 
 @triton.jit
-def _merge_chunks(part_ptr, tok_part_ptr, logits_ptr, stride_logits, r, NUM_CHUNKS: tl.constexpr,
-                  CHUNKS_PAD: tl.constexpr):
-    """Row r's token (the best noised score over its chunks; the lowest id on a tie) and the raw
-    logprob of that token."""
+def _merge_chunks(part_ptr, tok_part_ptr, logits_ptr, scores_ptr, stride_logits, stride_scores, inv_temp, key, step,
+                  vocab, r, NUM_CHUNKS: tl.constexpr, CHUNKS_PAD: tl.constexpr, GREEDY: tl.constexpr,
+                  SCALE_SCORES: tl.constexpr, CHUNK: tl.constexpr):
+    """Row r's token and the raw logprob of it. Greedy: the best logit over the chunks (the
+    lowest id on a tie). Sampling (`sampling.draw`): u from the (key, step) hash picks the chunk
+    whose running sum of chunk totals passes u times the row's total, then the token in it whose
+    running sum of weights passes what is left (the chunk's weights summed again here, in the
+    same units; if rounding leaves the target past their sum, the chunk's last token of weight
+    above 0)."""
+    LN2: tl.constexpr = 0.6931471805599453
+    LOG2E: tl.constexpr = 1.4426950408889634
     c = tl.arange(0, CHUNKS_PAD)
     ok = c < NUM_CHUNKS
-    part = (r * NUM_CHUNKS + c) * 3
+    part = (r * NUM_CHUNKS + c) * 4
     m = tl.load(part_ptr + part, mask=ok, other=float("-inf"))
     total = tl.load(part_ptr + part + 1, mask=ok, other=0.0)
-    best = tl.load(part_ptr + part + 2, mask=ok, other=float("-inf"))
-    toks = tl.load(tok_part_ptr + r * NUM_CHUNKS + c, mask=ok, other=2147483647)
-    top = tl.max(m, axis=0)
-    lse = top + tl.log(tl.sum(tl.where(m > float("-inf"), total * tl.exp(m - top), 0.0), axis=0))
-    winner = tl.max(best, axis=0)
-    token = tl.min(tl.where(best == winner, toks, 2147483647), axis=0)  # chunks hold ascending ids
+    top, row_total = _lanes_lse(m, total)
+    lse = (top + tl.log2(row_total)) * LN2
+    if GREEDY:
+        best = tl.load(part_ptr + part + 2, mask=ok, other=float("-inf"))
+        toks = tl.load(tok_part_ptr + r * NUM_CHUNKS + c, mask=ok, other=2147483647)
+        token = tl.min(tl.where(best == tl.max(best, axis=0), toks, 2147483647), axis=0)  # chunks hold ascending ids
+    else:
+        score_max = tl.load(part_ptr + part + 2, mask=ok, other=float("-inf"))
+        score_total = tl.load(part_ptr + part + 3, mask=ok, other=0.0)
+        big = tl.max(score_max, axis=0)
+        shares = tl.where(score_max > float("-inf"), score_total * tl.exp2(score_max - big), 0.0)
+        running = tl.cumsum(shares, axis=0)
+        bits = _hash32(key + step * 0x9E3779B9) >> 8
+        target = ((bits.to(tl.float32) + 0.5) * (1.0 / 16777216.0)) * tl.max(running, axis=0)
+        pick = tl.min(tl.where((running > target) & ok, c, CHUNKS_PAD), axis=0)
+        pick = tl.where(pick == CHUNKS_PAD, tl.max(tl.where(shares > 0, c, 0), axis=0), pick)
+        target -= tl.sum(tl.where(c == pick, running - shares, 0.0), axis=0)
+        v = pick * CHUNK + tl.arange(0, CHUNK)
+        v_ok = v < vocab
+        if SCALE_SCORES:
+            score = tl.load(logits_ptr + r * stride_logits + v, mask=v_ok, other=float("-inf")).to(tl.float32) * (
+                inv_temp * LOG2E)
+        else:
+            score = tl.load(scores_ptr + r * stride_scores + v, mask=v_ok, other=float("-inf")).to(tl.float32) * LOG2E
+        weight = tl.where(score > float("-inf"), tl.exp2(score - big), 0.0)
+        passed = (tl.cumsum(weight, axis=0) > target) & (weight > 0)
+        token = tl.min(tl.where(passed, v, 2147483647), axis=0)
+        token = tl.where(token == 2147483647, tl.max(tl.where(weight > 0, v, 0), axis=0), token)
     logprob = tl.load(logits_ptr + r * stride_logits + token).to(tl.float32) - lse
     return token, logprob
 
 
 @triton.jit
-def _sample_merge_kernel(part_ptr, tok_part_ptr, logits_ptr, tok_ptr, lp_ptr, stride_logits, NUM_CHUNKS: tl.constexpr,
-                         CHUNKS_PAD: tl.constexpr):
+def _sample_merge_kernel(part_ptr, tok_part_ptr, logits_ptr, scores_ptr, stride_logits, stride_scores, inv_temp_ptr,
+                         keys_ptr, steps_ptr, tok_ptr, lp_ptr, vocab, NUM_CHUNKS: tl.constexpr,
+                         CHUNKS_PAD: tl.constexpr, GREEDY: tl.constexpr, SCALE_SCORES: tl.constexpr,
+                         CHUNK: tl.constexpr):
     row = tl.program_id(0)
-    token, logprob = _merge_chunks(part_ptr, tok_part_ptr, logits_ptr, stride_logits, row, NUM_CHUNKS, CHUNKS_PAD)
+    token, logprob = _merge_chunks(part_ptr, tok_part_ptr, logits_ptr, scores_ptr, stride_logits, stride_scores,
+                                   tl.load(inv_temp_ptr), tl.load(keys_ptr + row).to(tl.uint32),
+                                   tl.load(steps_ptr + row).to(tl.uint32), vocab, row, NUM_CHUNKS, CHUNKS_PAD, GREEDY,
+                                   SCALE_SCORES, CHUNK)
     tl.store(tok_ptr + row, token.to(tl.int64))
     tl.store(lp_ptr + row, logprob)
 
 
 @triton.jit
-def _sample_record_kernel(part_ptr, tok_part_ptr, logits_ptr, stride_logits, start, tokens_ptr, positions_ptr,
-                          made_ptr, done_ptr, out_tok_ptr, out_lp_ptr, out_width, limit_ptr, is_stop_ptr,
-                          NUM_CHUNKS: tl.constexpr, CHUNKS_PAD: tl.constexpr):
+def _sample_record_kernel(part_ptr, tok_part_ptr, logits_ptr, scores_ptr, stride_logits, stride_scores, inv_temp_ptr,
+                          keys_ptr, vocab, start, tokens_ptr, positions_ptr, made_ptr, done_ptr, out_tok_ptr,
+                          out_lp_ptr, out_width, limit_ptr, is_stop_ptr, NUM_CHUNKS: tl.constexpr,
+                          CHUNKS_PAD: tl.constexpr, GREEDY: tl.constexpr, SCALE_SCORES: tl.constexpr,
+                          CHUNK: tl.constexpr):
     """Merge a row's chunks into its token and logprob, and record them (as
-    `TorchOps.sample_and_record` does), all in one program per row."""
+    `TorchOps.sample_and_record` does), all in one program per row. The draw's step is the
+    row's tokens made so far."""
     r = tl.program_id(0)
     row = start + r
+    key = tl.load(keys_ptr + row).to(tl.uint32)
+    inv_temp = tl.load(inv_temp_ptr)
     tl.extra.cuda.gdc_wait()
     tl.extra.cuda.gdc_launch_dependents()
-    token, logprob = _merge_chunks(part_ptr, tok_part_ptr, logits_ptr, stride_logits, r, NUM_CHUNKS, CHUNKS_PAD)
+    made = tl.load(made_ptr + row)
+    token, logprob = _merge_chunks(part_ptr, tok_part_ptr, logits_ptr, scores_ptr, stride_logits, stride_scores,
+                                   inv_temp, key, made.to(tl.uint32), vocab, r, NUM_CHUNKS, CHUNKS_PAD, GREEDY,
+                                   SCALE_SCORES, CHUNK)
     active = tl.load(done_ptr + row) == 0
     if active:
-        made = tl.load(made_ptr + row)
         at = tl.minimum(made, out_width - 1).to(tl.int64)
         tl.store(out_tok_ptr + row * out_width + at, token.to(tl.int64))
         tl.store(out_lp_ptr + row * out_width + at, logprob)
@@ -651,14 +683,14 @@ class TritonOps(TorchOps):
         return self._counters[key]
 
     def sample_and_record(self, logits, scores, greedy, rows, start):
-        batch = logits.shape[0]
-        part, tok_part, chunks = self._sample_chunks(logits, rows.keys[start : start + batch],
-                                                     rows.num_made[start : start + batch], rows.inv_temperature,
-                                                     greedy, scores)
-        _sample_record_kernel[(batch,)](part, tok_part, logits, logits.stride(0), start, rows.tokens, rows.positions,
+        batch, vocab = logits.shape
+        part, tok_part, chunks, use = self._sample_chunks(logits, rows.inv_temperature, greedy, scores)
+        _sample_record_kernel[(batch,)](part, tok_part, logits, use, logits.stride(0), use.stride(0),
+                                        rows.inv_temperature, rows.keys, vocab, start, rows.tokens, rows.positions,
                                         rows.num_made, rows.done, rows.out_tokens, rows.out_logprobs,
                                         rows.out_tokens.shape[1], rows.limit, rows.is_stop, NUM_CHUNKS=chunks,
-                                        CHUNKS_PAD=max(2, triton.next_power_of_2(chunks)), num_warps=1,
+                                        CHUNKS_PAD=max(2, triton.next_power_of_2(chunks)), GREEDY=greedy,
+                                        SCALE_SCORES=scores is None, CHUNK=sampling.CHUNK, num_warps=4,
                                         launch_pdl=self.pdl)
 
     def linear(self, x, weight, bias=None):
@@ -710,31 +742,28 @@ class TritonOps(TorchOps):
         return out
 
     def sample(self, logits, keys, steps, inv_temperature, greedy, scores=None):
-        batch = logits.shape[0]
-        part, tok_part, chunks = self._sample_chunks(logits, keys, steps, inv_temperature, greedy, scores)
+        batch, vocab = logits.shape
+        part, tok_part, chunks, use = self._sample_chunks(logits, inv_temperature, greedy, scores)
         tokens = torch.empty(batch, dtype=torch.int64, device=logits.device)
         logprobs = torch.empty(batch, dtype=torch.float32, device=logits.device)
-        _sample_merge_kernel[(batch,)](part, tok_part, logits, tokens, logprobs, logits.stride(0), NUM_CHUNKS=chunks,
-                                       CHUNKS_PAD=max(2, triton.next_power_of_2(chunks)), num_warps=1)
+        _sample_merge_kernel[(batch,)](part, tok_part, logits, use, logits.stride(0), use.stride(0), inv_temperature,
+                                       keys, steps, tokens, logprobs, vocab, NUM_CHUNKS=chunks,
+                                       CHUNKS_PAD=max(2, triton.next_power_of_2(chunks)), GREEDY=greedy,
+                                       SCALE_SCORES=scores is None, CHUNK=sampling.CHUNK, num_warps=4)
         return tokens, logprobs
 
-    def _sample_chunks(self, logits, keys, steps, inv_temperature, greedy, scores):
-        """Per (row, vocabulary chunk): max and exp-sum of the logits, best noised score and token."""
+    def _sample_chunks(self, logits, inv_temperature, greedy, scores):
+        """Per (row, vocabulary chunk of `sampling.CHUNK` tokens, a fixed size so that a row's
+        sums never depend on the batch): max and exp-sum of the logits, and the best logit and
+        its token (greedy) or max and exp-sum of the scores (sampling)."""
         batch, vocab = logits.shape
         device = logits.device
-        block = 1024
-        # Programs enough to hide latency: each walks its chunk block by block, so 2 per SM's
-        # worth (256 rows in 2 chunks) took 190 us, 9x the time of the logits' bytes.
-        chunks = max(1, min(64, triton.cdiv(vocab, 8 * block), -(-16 * devices.sm_count(device) // batch)))
-        chunk = triton.cdiv(triton.cdiv(vocab, chunks), block) * block
-        chunks = triton.cdiv(vocab, chunk)
-        part = torch.empty(batch, chunks, 3, dtype=torch.float32, device=device)
+        chunks = triton.cdiv(vocab, sampling.CHUNK)
+        part = torch.empty(batch, chunks, 4, dtype=torch.float32, device=device)
         tok_part = torch.empty(batch, chunks, dtype=torch.int32, device=device)
         use = logits if scores is None else scores
-        _sample_chunk_kernel[(batch, chunks)](logits, use, keys, steps, inv_temperature, part, tok_part, vocab, chunk,
-                                              logits.stride(0), use.stride(0), NUM_CHUNKS=chunks, GREEDY=greedy,
-                                              SCALE_SCORES=scores is None, BLOCK_V=block, num_warps=4,
-                                              launch_pdl=self.pdl)
-        return part, tok_part, chunks
-
-
+        _sample_chunk_kernel[(batch, chunks)](logits, use, inv_temperature, part, tok_part, vocab, logits.stride(0),
+                                              use.stride(0), NUM_CHUNKS=chunks, GREEDY=greedy,
+                                              SCALE_SCORES=scores is None, CHUNK=sampling.CHUNK, BLOCK_V=1024,
+                                              num_warps=4, launch_pdl=self.pdl)
+        return part, tok_part, chunks, use

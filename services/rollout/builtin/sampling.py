@@ -1,16 +1,24 @@
 """Sampling on the device, one row at a time and independent of how rows are batched.
 
-A row draws its next token by the Gumbel-max rule: argmax over the vocabulary of
-`logits / temperature + g`, with g = -log(-log(u)) and u a uniform number in (0, 1) made by
-hashing (row key, step, token id) to 24 bits (`gumbel` says how g stays finite and exact).
-That is an exact draw from softmax(logits / temperature), it needs no
-generator state, so it can live inside a CUDA graph, and a row's draws depend only on its own
-key: the same seed gives the same samples however rows are batched, admitted or compacted.
-Top-k and top-p mask the scaled logits first (the masked tokens can never win the argmax).
+A row draws its next token by inverting its distribution's cumulative sum: with weights
+w = exp(score - max score) over the vocabulary in token order (score = logits / temperature),
+it takes the first token whose running sum of weights passes u times their total, u a uniform
+number in (0, 1) made by hashing (row key, step) to 24 bits. That is an exact draw from
+softmax(logits / temperature), as far as the sums' rounding goes: it needs no generator state,
+so it can live inside a CUDA graph, and a row's draws depend only on its own key: the same seed
+gives the same samples however rows are batched, admitted or compacted. Top-k and top-p set the
+scores of the tokens they drop to -inf first: weight 0, never drawn.
+
+Until 2026-12-02 the draw was Gumbel-max (argmax of score + -log(-log u_token), one hash and two
+logarithms per token of the vocabulary): at a batch of 256 its kernel took 86 us a decode step,
+bound by those instructions, not by the logits' bytes. The draw by cumulative sums costs one
+exponential per token and one hash per row.
 
 The logprob returned is always log_softmax of the raw logits at the chosen token (see
-`services.rollout.types`). `sample` here is the torch version; `kernels.sample` computes the same
-draw in one pass over the logits on a GPU.
+`services.rollout.types`). `sample` here is the torch version, summing in float64; the GPU
+kernel (`kernels.sample`) sums in float32, by vocabulary chunks of `CHUNK` tokens, so its
+draw can differ from this one only where u times the total falls within float32 rounding of a
+boundary between two tokens' shares.
 """
 
 from __future__ import annotations
@@ -19,10 +27,10 @@ import hashlib
 
 import torch
 
+CHUNK = 4096  # vocabulary tokens a GPU program sums (fixed: a row's sums, and so its draws, never depend on the batch)
 MASK32 = 0xFFFFFFFF
 HASH_MUL = 0x45D9F3B  # small enough that products of 32-bit values stay inside int64
 STEP_MUL = 0x9E3779B9
-TOKEN_MUL = 0x2545F491
 
 
 def row_key(seed: int, prompt_index: int, sample_index: int) -> int:
@@ -38,26 +46,22 @@ def hash32(x: torch.Tensor) -> torch.Tensor:
     return (x >> 16) ^ x
 
 
-def uniform_bits(keys: torch.Tensor, steps: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """24 random bits per token, int64 [b, V] in [0, 2**24), for int64 keys [b] and steps [b]:
-    u = (bits + 1/2) / 2**24."""
-    step_keys = hash32((keys + steps.long() * STEP_MUL) & MASK32)  # [b]
-    tokens = torch.arange(vocab_size, device=keys.device, dtype=torch.int64) * TOKEN_MUL  # [V]
-    return hash32((step_keys[:, None] + tokens[None, :]) & MASK32) >> 8  # [b, V]
+def uniform(keys: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+    """u in (0, 1), float64 [b], for int64 keys [b] and steps [b]: the top 24 bits of the
+    (key, step) hash, u = (bits + 1/2) / 2**24, so u * total < total always."""
+    bits = hash32((keys + steps.long() * STEP_MUL) & MASK32) >> 8
+    return (bits.double() + 0.5) / (1 << 24)
 
 
-def gumbel(bits: torch.Tensor) -> torch.Tensor:
-    """g = -log(-log u), float32, for u = (bits + 1/2) / 2**24 (`uniform_bits`).
-
-    The largest g come from u near 1, where -log u is small: it must be computed from 1 - u
-    (exact there), not from u, which float32 rounds (bits + 1/2 needs 25 bits past 2**23) and
-    rounds to exactly 1 for the top value, making g infinite. That top value comes up once in
-    2**24 tokens, 0.9% of the draws over a 151,936-token vocabulary: each such draw took that
-    token whatever its probability. Below u = 1/2, u is exact and -log u is taken from it."""
-    u = (bits.float() + 0.5) * (1.0 / (1 << 24))  # exact below 1/2
-    w = ((((1 << 24) - 1) - bits).float() + 0.5) * (1.0 / (1 << 24))  # 1 - u, exact above 1/2
-    neg_log_u = torch.where(bits < (1 << 23), -torch.log(u), -torch.log1p(-w))
-    return -torch.log(neg_log_u)
+def draw(scores: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Tokens int64 [b]: for each row of scores [b, V], the first token whose running sum of
+    weights exp(score - max) passes u [b] times the row's total. A token of weight 0 (score
+    -inf) is never the first to pass it."""
+    scores = scores.double()
+    weights = torch.exp(scores - scores.max(dim=-1, keepdim=True).values)
+    running = weights.cumsum(dim=-1)
+    target = u.to(running.device) * running[:, -1]
+    return (running <= target[:, None]).sum(dim=-1)
 
 
 def filter_scores(logits: torch.Tensor, inv_temperature: torch.Tensor, top_k: int,
@@ -82,7 +86,7 @@ def sample(logits: torch.Tensor, keys: torch.Tensor, steps: torch.Tensor, inv_te
     """Tokens int64 [b] and their raw logprobs float32 [b] from logits [b, V].
 
     `scores` (already scaled and filtered, from `filter_scores`) replace logits * inv_temperature
-    as the quantity the noise is added to; `greedy` (temperature 0) takes the argmax of the raw
+    as the draw's scores; `greedy` (temperature 0) takes the argmax of the raw
     logits instead."""
     raw = logits.float()
     lse = torch.logsumexp(raw, dim=-1)  # [b]
@@ -91,6 +95,5 @@ def sample(logits: torch.Tensor, keys: torch.Tensor, steps: torch.Tensor, inv_te
     else:
         if scores is None:
             scores = raw * inv_temperature
-        noise = gumbel(uniform_bits(keys, steps, raw.shape[-1]))  # [b, V]
-        tokens = (scores + noise).argmax(dim=-1)  # [b]
+        tokens = draw(scores, uniform(keys, steps))
     return tokens, raw.gather(1, tokens[:, None]).squeeze(1) - lse
