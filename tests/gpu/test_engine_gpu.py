@@ -128,6 +128,7 @@ def test_kernel_draws_match_the_reference_and_take_neither_end_for_an_extreme_u(
     draws over many steps follow the softmax."""
     from services.rollout.builtin import sampling
     from services.rollout.builtin.kernels import TritonOps
+    from tests.unit.test_sampling_draw import KEY_HIGHEST_U, KEY_LOWEST_U
     tri = TritonOps()
     gen = torch.Generator(device="cuda").manual_seed(3)
     logits = (torch.randn(4096, 151936, generator=gen, device="cuda") * 6).to(torch.bfloat16)
