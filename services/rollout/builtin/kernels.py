@@ -395,17 +395,15 @@ def _hash32(x):
 
 
 @triton.jit
-def _running_lse(x, m, total):
-    """One block's step of a per-lane running max m and sum of exp2(x - m), x in log2 units.
-    One exp2(-|x - m|) serves both cases: x above the max rescales the sum, x below adds to it."""
-    e = tl.exp2(-tl.abs(x - m))
-    total = tl.where(x > m, total * e + 1.0, tl.where(x > float("-inf"), total + e, total))
-    return tl.maximum(m, x), total
+def _sum_exp2(x):
+    """max(x) and the sum of exp2(x - max) over a block, x in log2 units (-inf: nothing)."""
+    top = tl.max(x, axis=0)
+    return top, tl.sum(tl.where(x > float("-inf"), tl.exp2(x - top), 0.0), axis=0)
 
 
 @triton.jit
 def _lanes_lse(m, total):
-    """The lanes' running maxima and sums as one max and sum (log2 units)."""
+    """Partial maxima and sums (log2 units) as one max and sum."""
     top = tl.max(m, axis=0)
     return top, tl.sum(tl.where(m > float("-inf"), total * tl.exp2(m - top), 0.0), axis=0)
 
@@ -413,53 +411,37 @@ def _lanes_lse(m, total):
 @triton.jit
 def _sample_chunk_kernel(logits_ptr, scores_ptr, inv_temp_ptr, part_ptr, tok_part_ptr, vocab, stride_logits,
                          stride_scores, NUM_CHUNKS: tl.constexpr, GREEDY: tl.constexpr, SCALE_SCORES: tl.constexpr,
-                         CHUNK: tl.constexpr, BLOCK_V: tl.constexpr):
-    """One vocabulary chunk of one row, in one read of its logits: the max and exp-sum of the
-    raw logits (for the logprob's logsumexp) and, greedy, the best logit and its token, or,
-    sampling, the max and exp-sum of the scores (for the draw's running sums, `sampling.py`).
-    All in log2 units. At temperature 1 the scores are the logits: one sum serves both."""
+                         CHUNK: tl.constexpr):
+    """One vocabulary chunk of one row, read once and whole (one round trip to memory, so that
+    enough bytes are in flight for the bandwidth): the max and exp-sum of the raw logits (for the
+    logprob's logsumexp) and, greedy, the best logit and its token, or, sampling, the max and
+    exp-sum of the scores (for the draw's running sums, `sampling.py`), in log2 units. At
+    temperature 1 the scores are the logits: one sum serves both."""
     LOG2E: tl.constexpr = 1.4426950408889634
     row = tl.program_id(0)
     c = tl.program_id(1)
-    cols = tl.arange(0, BLOCK_V)
+    v = c * CHUNK + tl.arange(0, CHUNK)
+    ok = v < vocab
     inv_temp = tl.load(inv_temp_ptr)
     tl.extra.cuda.gdc_wait()  # the logits' product has finished
     tl.extra.cuda.gdc_launch_dependents()
-    if SCALE_SCORES:
-        own = inv_temp != 1.0  # the scores need sums of their own
-    else:
-        own = tl.full((), 1, tl.int1)
-    m = tl.full((BLOCK_V,), float("-inf"), tl.float32)  # per lane: the raw logits' running max and sum
-    total = tl.zeros((BLOCK_V,), tl.float32)
-    best = tl.full((BLOCK_V,), float("-inf"), tl.float32)  # per lane: greedy, best logit; sampling, the scores' max
-    second = tl.zeros((BLOCK_V,), tl.float32)  # and, greedy, its token; sampling, the scores' sum
-    for first in tl.range(c * CHUNK, (c + 1) * CHUNK, BLOCK_V):
-        v = first + cols
-        ok = v < vocab  # (not the chunk's end: a mask in whole 16-byte lines keeps the loads wide)
-        x = tl.load(logits_ptr + row * stride_logits + v, mask=ok, other=float("-inf")).to(tl.float32)
-        m, total = _running_lse(x * LOG2E, m, total)
-        if GREEDY:
-            better = x > best  # strictly: the lowest token id wins a tie, as argmax does
-            best = tl.where(better, x, best)
-            second = tl.where(better, v.to(tl.float32), second)
-        elif own:
-            if SCALE_SCORES:
-                score = x * (inv_temp * LOG2E)
-            else:
-                score = tl.load(scores_ptr + row * stride_scores + v, mask=ok, other=float("-inf")).to(tl.float32) * LOG2E
-            best, second = _running_lse(score, best, second)
-    chunk_max, chunk_total = _lanes_lse(m, total)
+    x = tl.load(logits_ptr + row * stride_logits + v, mask=ok, other=float("-inf")).to(tl.float32)
+    chunk_max, chunk_total = _sum_exp2(x * LOG2E)
     part = (row * NUM_CHUNKS + c) * 4
     tl.store(part_ptr + part, chunk_max)
     tl.store(part_ptr + part + 1, chunk_total)
     if GREEDY:
-        chunk_best = tl.max(best, axis=0)
-        tl.store(part_ptr + part + 2, chunk_best)
-        tl.store(tok_part_ptr + row * NUM_CHUNKS + c, tl.min(tl.where(best == chunk_best, second, 3e38), axis=0).to(tl.int32))
+        best = tl.max(x, axis=0)
+        tl.store(part_ptr + part + 2, best)
+        tl.store(tok_part_ptr + row * NUM_CHUNKS + c, tl.min(tl.where(x == best, v, 2147483647), axis=0))  # lowest id
     else:
         score_max, score_total = chunk_max, chunk_total
-        if own:
-            score_max, score_total = _lanes_lse(best, second)
+        if SCALE_SCORES:
+            if inv_temp != 1.0:
+                score_max, score_total = _sum_exp2(x * (inv_temp * LOG2E))
+        else:
+            score = tl.load(scores_ptr + row * stride_scores + v, mask=ok, other=float("-inf")).to(tl.float32)
+            score_max, score_total = _sum_exp2(score * LOG2E)
         tl.store(part_ptr + part + 2, score_max)
         tl.store(part_ptr + part + 3, score_total)
 
@@ -764,6 +746,6 @@ class TritonOps(TorchOps):
         use = logits if scores is None else scores
         _sample_chunk_kernel[(batch, chunks)](logits, use, inv_temperature, part, tok_part, vocab, logits.stride(0),
                                               use.stride(0), NUM_CHUNKS=chunks, GREEDY=greedy,
-                                              SCALE_SCORES=scores is None, CHUNK=sampling.CHUNK, BLOCK_V=1024,
-                                              num_warps=4, launch_pdl=self.pdl)
+                                              SCALE_SCORES=scores is None, CHUNK=sampling.CHUNK, num_warps=8,
+                                              launch_pdl=self.pdl)
         return part, tok_part, chunks, use
