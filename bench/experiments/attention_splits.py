@@ -44,6 +44,13 @@ VARIANTS = {
     # before the wait:
     "tile128": dict(unsplit_tile=128),
     "tile128 stages1": dict(unsplit_tile=128, attention_stages=1),
+    # Session 18 (2026-12-02, after the sampling change): one warp a program, so that the
+    # softmax's row maxima and sums stay inside a warp (with 4 warps each is a shared-memory
+    # round trip and two barriers, a tile), alone and with more programs per SM.
+    "warps1": dict(attention_warps=1),
+    "warps1 split4": dict(attention_warps=1, split_programs_per_sm=4),
+    "warps1 split8": dict(attention_warps=1, split_programs_per_sm=8),
+    "warps2 split4": dict(attention_warps=2, split_programs_per_sm=4),
     # (The recorded run, attention_splits-experiment-4-*, on an H100, also had "late table": its
     # "base" there read the first tile's block-table entries alongside the row length instead of
     # after it, a change tried in the working tree and not kept: 0.5B batch 256 -1%, 1.5B +2%.)
