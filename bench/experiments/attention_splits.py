@@ -46,7 +46,9 @@ VARIANTS = {
     "tile128 stages1": dict(unsplit_tile=128, attention_stages=1),
     # Session 18 (2026-12-02, after the sampling change): one warp a program, so that the
     # softmax's row maxima and sums stay inside a warp (with 4 warps each is a shared-memory
-    # round trip and two barriers, a tile), alone and with more programs per SM.
+    # round trip and two barriers, a tile), alone and with more programs per SM. All slower at
+    # 4395a68 (attention_splits-experiment-5-*): 0.5B batch 256 1339 -> 1359-1380 us, batch 16
+    # 798 -> 821-856; 1.5B batch 256 2513 -> 2587-2854, batch 16 1488 -> 1568-1866.
     "warps1": dict(attention_warps=1),
     "warps1 split4": dict(attention_warps=1, split_programs_per_sm=4),
     "warps1 split8": dict(attention_warps=1, split_programs_per_sm=8),
