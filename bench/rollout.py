@@ -148,10 +148,16 @@ def sweep(shape: str, batches: list[int], device: str, bandwidth: float, args) -
             "read_tb_s": round(bandwidth / 1e12, 3), "weight_gb": round(wbytes / 1e9, 3),
             "graphs": core.runner.use_graphs, "ops": core.ops.name,
         }
+        lines.append((_stamp(line), prompts))
+        print(f"# {shape} batch {batch}: {line['tokens_per_s']} tokens/s ({line['ratio']} of the roofline)",
+              file=sys.stderr, flush=True)
+    # Profiled only once every batch is timed, so that no timing follows a profiler session
+    # (bench/experiments/profiler_after.py measures what one costs the calls after it).
+    for line, prompts in lines:
         if device != "cpu" and args.profile:
             line["split_ms"] = step_split(core, prompts)
-        lines.append(_stamp(line))
-        emit(lines[-1], args.out)
+        emit(line, args.out)
+    lines = [line for line, _ in lines]
     core = model = None  # (not del: the timing lambdas above name them)
     if device != "cpu":
         torch.cuda.empty_cache()
