@@ -177,3 +177,36 @@ def test_padded_host_tensors_hold_the_rows_and_their_fill():
         padded([[1, 2, 3]], 2, 0, torch.int32)
     with pytest.raises(OverflowError):  # an int32 table never wraps a block id silently
         padded([[2**31]], 1, 0, torch.int32)
+
+
+def test_finished_rows_are_handed_back_while_the_next_decode_runs_and_come_back_the_same(monkeypatch):
+    """A round's finished rows have their outputs copied out and their blocks freed at the check;
+    turning them into results (lists, text) waits until the next round's decode steps are queued,
+    so the device is not idle meanwhile. Stop strings and stop tokens still cut where they did:
+    the results equal those of a call that looks after every step with room for every row."""
+    model = _model()
+    sampling = Sampling(temperature=1.0, max_new_tokens=16, n=2, seed=5, stop=("e",))
+    prompts = _prompts() * 2
+    core = _core(model, max_batch_size=3, check_every=2)
+    core.generate(prompts, sampling)  # the pool and runner this call needs exist
+    runner, events = core.runner, []
+
+    def logged(name, method):
+        return lambda *args, **kwargs: (events.append(name), method(*args, **kwargs))[1]
+
+    monkeypatch.setattr(runner, "decode", logged("decode", runner.decode))
+    monkeypatch.setattr(runner, "read", logged("read", runner.read))
+    monkeypatch.setattr(runner, "outputs_async", logged("copy out", runner.outputs_async))
+    monkeypatch.setattr(TOKENIZER, "decode_batch", logged("hand back", TOKENIZER.decode_batch))
+    streamed = core.generate(prompts, sampling)
+    monkeypatch.undo()
+    copies = [i for i, e in enumerate(events) if e == "copy out"]
+    handed = [i for i, e in enumerate(events) if e == "hand back"]
+    assert len(handed) > 2
+    for i in handed[:-1]:  # every hand-back but the call's last: after the next decode is queued, before its read
+        assert events[i - 1] == "decode" and events[i + 1] == "read"
+    assert all(events[i - 1] == "read" for i in copies)  # copied out at the check itself
+    whole = _core(model, max_batch_size=256, check_every=1).generate(prompts, sampling)
+    assert [(r.output_ids, r.text, r.finish_reason) for r in streamed] == [(r.output_ids, r.text, r.finish_reason)
+                                                                          for r in whole]
+    assert _free_blocks_all_back(core)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import array
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -261,12 +262,27 @@ class ModelRunner:
         both = _lists(torch.stack((r.done[:num_rows].int(), r.num_made[:num_rows])))
         return [bool(d) for d in both[0]], both[1]
 
-    def outputs(self, slots: list[int], lengths: list[int]) -> list[tuple[list[int], list[float]]]:
+    def outputs_async(self, slots: list[int], lengths: list[int]) -> Callable[[], list[tuple[list[int], list[float]]]]:
+        """The tokens and logprobs of rows `slots` (their first `lengths`), copied out now in
+        stream order (before anything queued later moves the rows), into pinned host memory on a
+        GPU; the returned function waits for that copy alone, not for work queued after it, and
+        gives them as lists."""
         index = torch.tensor(slots, device=self.device)
         width = max(lengths)
-        tokens = _lists(self.rows.out_tokens[index, :width])
-        logprobs = _lists(self.rows.out_logprobs[index, :width])
-        return [(t[:n], lp[:n]) for t, lp, n in zip(tokens, logprobs, lengths)]
+        tokens, logprobs = self.rows.out_tokens[index, :width], self.rows.out_logprobs[index, :width]
+        ready = None
+        if self.device.type == "cuda":
+            tokens, logprobs = (t.to("cpu", non_blocking=True) for t in (tokens, logprobs))  # pinned
+            ready = torch.cuda.Event()
+            ready.record()
+
+        def lists() -> list[tuple[list[int], list[float]]]:
+            if ready is not None:
+                ready.synchronize()
+            rows = zip(tokens.numpy().tolist(), logprobs.numpy().tolist(), lengths)  # (fresh tensors, not the engine's)
+            return [(t[:n], lp[:n]) for t, lp, n in rows]
+
+        return lists
 
     def tokens_so_far(self, num_rows: int, width: int) -> list[list[int]]:
         return _lists(self.rows.out_tokens[:num_rows, :width])

@@ -7,7 +7,9 @@ fills; prompts are admitted once a quarter of the slots is free, so prefills com
 lets the runner decode a few steps with no host sync, then reads which rows are done,
 looks for stop strings, hands finished rows back as `Generation`s, frees their blocks and packs
 the rest to the front. So a long-tail row never keeps a slot from a waiting prompt for longer
-than one round.
+than one round. Handing rows back is split in two: their outputs are copied out and their
+blocks freed before the rest are packed, and the host work (lists, text, `Generation`s) is done
+while the next round's decode steps run, not while the device waits for it.
 
 A row reserves blocks for its prompt plus max_new_tokens when admitted: it can never run out
 mid-way, so nothing is ever preempted or recomputed.
@@ -62,7 +64,7 @@ class CallStats:
     max_rows: int
     prefill_s: float = 0.0  # admitting and prefilling (host and GPU)
     decode_s: float = 0.0  # decode steps, up to the host seeing their results
-    host_s: float = 0.0  # the rest: stop strings, retiring rows, packing
+    host_s: float = 0.0  # the rest: stop strings, retiring rows (partly during the next decode), packing
 
 
 class Scheduler:
@@ -87,6 +89,7 @@ class Scheduler:
         can_stop = bool(stop_ids or sampling_.stop)
         rounds = steps = prefills = max_rows = 0
         prefill_s = decode_s = host_s = 0.0
+        retiring: Callable[[], None] | None = None  # the last round's finished rows, handed back later
         try:
             while waiting or rows:
                 if cancelled is not None and cancelled():
@@ -102,19 +105,29 @@ class Scheduler:
                 if todo > 0:
                     self.runner.decode(len(rows), todo, mode)
                     steps += todo
+                if retiring is not None:  # while those steps run
+                    launched_at = time.perf_counter()
+                    retiring()
+                    retiring = None
+                    host_s += time.perf_counter() - launched_at
+                    admitted_at += time.perf_counter() - launched_at
                 done, made = self.runner.read(len(rows))
                 read_at = time.perf_counter()
                 decode_s += read_at - admitted_at
                 stopped = self._stop_strings(rows, made, done, sampling_.stop) if sampling_.stop else {}
                 finished = [k for k in range(len(rows)) if done[k] or k in stopped]
                 if finished:
-                    self._retire(rows, finished, made, stopped, stop_ids, results, n)
+                    retiring = self._retire(rows, finished, made, stopped, stop_ids, results, n)
                     keep = [k for k in range(len(rows)) if k not in set(finished)]
                     self.runner.keep(keep)
                     rows = [rows[k] for k in keep]
                     made = [made[k] for k in keep]
                 rounds += 1
                 host_s += time.perf_counter() - read_at
+            if retiring is not None:
+                finished_at = time.perf_counter()
+                retiring()
+                host_s += time.perf_counter() - finished_at
         finally:
             for row in rows:  # an error or a cancel mid-call: give every block back
                 self.cache.allocator.free(row.blocks)
@@ -214,20 +227,30 @@ class Scheduler:
         return hits
 
     def _retire(self, rows: list[_Row], finished: list[int], made: list[int], stopped: dict[int, tuple[int, str]],
-                stop_ids: set[int], results: list, n: int) -> None:
+                stop_ids: set[int], results: list, n: int) -> Callable[[], None]:
+        """Hand rows `finished` back: their outputs copied out (queued on the device before the
+        rows are packed over) and their blocks freed now, for this round's admissions; the
+        returned function turns the copies into `Generation`s in `results`, to be called while
+        the next decode steps run."""
         lengths = [stopped[k][0] if k in stopped else made[k] for k in finished]
-        outputs = self.runner.outputs(finished, lengths)
-        plain = [k for k in finished if k not in stopped]
-        texts = dict(zip(plain, self.tokenizer.decode_batch([outputs[finished.index(k)][0] for k in plain]))) if plain else {}
-        for k, (ids, logprobs) in zip(finished, outputs):
-            row = rows[k]
-            if k in stopped:
-                text, reason = stopped[k][1], "stop"
-            else:
-                text, reason = texts[k], "stop" if ids and ids[-1] in stop_ids else "length"
-            results[row.prompt_index * n + row.sample_index] = Generation(
-                prompt_index=row.prompt_index, prompt_ids=list(row.prompt_ids), output_ids=ids, text=text,
-                logprobs=logprobs, finish_reason=reason)
+        copied = self.runner.outputs_async(finished, lengths)
+        done_rows = [rows[k] for k in finished]
+        for row in done_rows:
             self.cache.allocator.free(row.blocks)
-        for k in finished:
-            rows[k].blocks = []
+            row.blocks = []
+        stops = [stopped.get(k) for k in finished]
+
+        def hand_back() -> None:
+            outputs = copied()
+            plain = [i for i, stop in enumerate(stops) if stop is None]
+            texts = dict(zip(plain, self.tokenizer.decode_batch([outputs[i][0] for i in plain]))) if plain else {}
+            for i, (row, (ids, logprobs), stop) in enumerate(zip(done_rows, outputs, stops)):
+                if stop is not None:
+                    text, reason = stop[1], "stop"
+                else:
+                    text, reason = texts[i], "stop" if ids and ids[-1] in stop_ids else "length"
+                results[row.prompt_index * n + row.sample_index] = Generation(
+                    prompt_index=row.prompt_index, prompt_ids=list(row.prompt_ids), output_ids=ids, text=text,
+                    logprobs=logprobs, finish_reason=reason)
+
+        return hand_back
