@@ -126,7 +126,7 @@ def sweep(shape: str, batches: list[int], device: str, bandwidth: float, args) -
     core = GenerationCore(model, _Ids(), torch.device(device), CoreSettings(max_batch_size=max(batches)))
     rng = random.Random(0)
     prompt_len, new = 64, args.new_tokens
-    lines = []
+    timed_lines, lines = [], []
     for batch in batches:
         prompts = [[rng.randrange(VOCAB if shape != "tiny" else 32000) for _ in range(prompt_len)] for _ in range(batch)]
         full = Sampling(temperature=1.0, max_new_tokens=new, ignore_eos=True, seed=1)
@@ -148,16 +148,16 @@ def sweep(shape: str, batches: list[int], device: str, bandwidth: float, args) -
             "read_tb_s": round(bandwidth / 1e12, 3), "weight_gb": round(wbytes / 1e9, 3),
             "graphs": core.runner.use_graphs, "ops": core.ops.name,
         }
-        lines.append((_stamp(line), prompts))
+        timed_lines.append((_stamp(line), prompts))
         print(f"# {shape} batch {batch}: {line['tokens_per_s']} tokens/s ({line['ratio']} of the roofline)",
               file=sys.stderr, flush=True)
     # Profiled only once every batch is timed, so that no timing follows a profiler session
     # (bench/experiments/profiler_after.py measures what one costs the calls after it).
-    for line, prompts in lines:
+    for line, prompts in timed_lines:
         if device != "cpu" and args.profile:
             line["split_ms"] = step_split(core, prompts)
         emit(line, args.out)
-    lines = [line for line, _ in lines]
+        lines.append(line)
     core = model = None  # (not del: the timing lambdas above name them)
     if device != "cpu":
         torch.cuda.empty_cache()

@@ -395,17 +395,11 @@ def _hash32(x):
 
 
 @triton.jit
-def _sum_exp2(x):
-    """max(x) and the sum of exp2(x - max) over a block, x in log2 units (-inf: nothing)."""
+def _max_sum_exp2(x, weight):
+    """max(x) and the sum of weight * exp2(x - max) over a block, x in log2 units (-inf: nothing):
+    partial maxima and sums merged into one, or, with weight 1, a block's own."""
     top = tl.max(x, axis=0)
-    return top, tl.sum(tl.where(x > float("-inf"), tl.exp2(x - top), 0.0), axis=0)
-
-
-@triton.jit
-def _lanes_lse(m, total):
-    """Partial maxima and sums (log2 units) as one max and sum."""
-    top = tl.max(m, axis=0)
-    return top, tl.sum(tl.where(m > float("-inf"), total * tl.exp2(m - top), 0.0), axis=0)
+    return top, tl.sum(tl.where(x > float("-inf"), weight * tl.exp2(x - top), 0.0), axis=0)
 
 
 @triton.jit
@@ -426,7 +420,7 @@ def _sample_chunk_kernel(logits_ptr, scores_ptr, inv_temp_ptr, part_ptr, tok_par
     tl.extra.cuda.gdc_wait()  # the logits' product has finished
     tl.extra.cuda.gdc_launch_dependents()
     x = tl.load(logits_ptr + row * stride_logits + v, mask=ok, other=float("-inf")).to(tl.float32)
-    chunk_max, chunk_total = _sum_exp2(x * LOG2E)
+    chunk_max, chunk_total = _max_sum_exp2(x * LOG2E, 1.0)
     part = (row * NUM_CHUNKS + c) * 4
     tl.store(part_ptr + part, chunk_max)
     tl.store(part_ptr + part + 1, chunk_total)
@@ -438,10 +432,10 @@ def _sample_chunk_kernel(logits_ptr, scores_ptr, inv_temp_ptr, part_ptr, tok_par
         score_max, score_total = chunk_max, chunk_total
         if SCALE_SCORES:
             if inv_temp != 1.0:
-                score_max, score_total = _sum_exp2(x * (inv_temp * LOG2E))
+                score_max, score_total = _max_sum_exp2(x * (inv_temp * LOG2E), 1.0)
         else:
             score = tl.load(scores_ptr + row * stride_scores + v, mask=ok, other=float("-inf")).to(tl.float32)
-            score_max, score_total = _sum_exp2(score * LOG2E)
+            score_max, score_total = _max_sum_exp2(score * LOG2E, 1.0)
         tl.store(part_ptr + part + 2, score_max)
         tl.store(part_ptr + part + 3, score_total)
 
@@ -463,7 +457,7 @@ def _merge_chunks(part_ptr, tok_part_ptr, logits_ptr, scores_ptr, stride_logits,
     part = (r * NUM_CHUNKS + c) * 4
     m = tl.load(part_ptr + part, mask=ok, other=float("-inf"))
     total = tl.load(part_ptr + part + 1, mask=ok, other=0.0)
-    top, row_total = _lanes_lse(m, total)
+    top, row_total = _max_sum_exp2(m, total)
     lse = (top + tl.log2(row_total)) * LN2
     if GREEDY:
         best = tl.load(part_ptr + part + 2, mask=ok, other=float("-inf"))

@@ -32,6 +32,13 @@ from services.rollout.types import Generation, Sampling
 MAX_UNCHECKED_STEPS = 64  # decode steps between host checks at most, when rows cannot stop early
 
 
+def _timed(work: Callable[[], None]) -> float:
+    """Seconds `work()` took."""
+    started = time.perf_counter()
+    work()
+    return time.perf_counter() - started
+
+
 class GenerationCancelled(RuntimeError):
     """The caller gave up (its RPC was cancelled or ran past its deadline)."""
 
@@ -106,11 +113,10 @@ class Scheduler:
                     self.runner.decode(len(rows), todo, mode)
                     steps += todo
                 if retiring is not None:  # while those steps run
-                    launched_at = time.perf_counter()
-                    retiring()
+                    spent = _timed(retiring)
                     retiring = None
-                    host_s += time.perf_counter() - launched_at
-                    admitted_at += time.perf_counter() - launched_at
+                    host_s += spent
+                    admitted_at += spent  # (not the decode's)
                 done, made = self.runner.read(len(rows))
                 read_at = time.perf_counter()
                 decode_s += read_at - admitted_at
@@ -125,9 +131,7 @@ class Scheduler:
                 rounds += 1
                 host_s += time.perf_counter() - read_at
             if retiring is not None:
-                finished_at = time.perf_counter()
-                retiring()
-                host_s += time.perf_counter() - finished_at
+                host_s += _timed(retiring)
         finally:
             for row in rows:  # an error or a cancel mid-call: give every block back
                 self.cache.allocator.free(row.blocks)
