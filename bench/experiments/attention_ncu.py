@@ -44,7 +44,6 @@ def main() -> None:
             tables = tables.to(torch.int32)
             seq_lens = torch.full((rows,), length, dtype=torch.int32, device="cuda")
             positions = seq_lens - 1
-            slots = (tables.gather(1, (positions // BLOCK)[:, None].long()).squeeze(1) * BLOCK + positions % BLOCK)
             qkv = torch.randn(rows, (heads + 2 * kv_heads) * dim, **bf16)
             q, k, v = qkv.split((heads * dim, kv_heads * dim, kv_heads * dim), dim=-1)
             table = rope_table(dim, 1e6, 4096, torch.device("cuda"))
@@ -55,7 +54,7 @@ def main() -> None:
                 for knob, value in knobs.items():
                     setattr(ops, knob, value)
                 variants[name] = (lambda ops=ops: ops.rope_decode_attention(
-                    q, k, v, None, None, 1e-6, table, slots, k_cache, v_cache, tables, seq_lens, BLOCK, splits))
+                    q, k, v, None, None, 1e-6, table, positions, k_cache, v_cache, tables, BLOCK, splits))
             for fn in variants.values():
                 fn()
                 fn()

@@ -4,6 +4,8 @@ and a KV pool that NVML sees freed on ReleaseMemory."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -71,16 +73,14 @@ def test_kernels_compute_what_the_torch_ops_compute(dtype, tolerance):
     # (strided views of one tensor), against the two reference ops; the new key in the cache too.
     qkv = rnd(4, (heads + 2 * kv_heads) * dim)
     q, k, v = qkv.split((heads * dim, kv_heads * dim, kv_heads * dim), dim=-1)
-    slots = (tables.gather(1, ((lengths - 1) // block)[:, None].long()).squeeze(1) * block + (lengths - 1) % block).int()
-    for norm in (None, rnd(dim)):
-        for splits in (1, 5, 16):
-            caches = [c.clone() for c in (k_cache, v_cache) for _ in range(2)]
-            want = ref.rope_decode_attention(q, k, v, norm, norm, 1e-6, table, slots, caches[0], caches[2], tables,
-                                             lengths, block, splits)
-            got = tri.rope_decode_attention(q, k, v, norm, norm, 1e-6, table, slots, caches[1], caches[3], tables,
-                                            lengths, block, splits)
-            assert _rel(got, want) < tolerance and _rel(caches[1], caches[0]) < tolerance
-            assert torch.equal(caches[3], caches[2]) and not torch.equal(caches[1], k_cache)
+    for norm, splits in itertools.product((None, rnd(dim)), (1, 5, 16)):
+        caches = [c.clone() for c in (k_cache, v_cache) for _ in range(2)]
+        want = ref.rope_decode_attention(q, k, v, norm, norm, 1e-6, table, lengths - 1, caches[0], caches[2], tables,
+                                         block, splits)
+        got = tri.rope_decode_attention(q, k, v, norm, norm, 1e-6, table, lengths - 1, caches[1], caches[3], tables,
+                                        block, splits)
+        assert _rel(got, want) < tolerance and _rel(caches[1], caches[0]) < tolerance
+        assert torch.equal(caches[3], caches[2]) and not torch.equal(caches[1], k_cache)
     gate, up = rnd(tokens, 4864), rnd(tokens, 4864)
     assert _rel(tri.silu_mul(gate, up), ref.silu_mul(gate, up)) < tolerance
     logits = rnd(6, 151936) * 4

@@ -70,14 +70,12 @@ class PagedDecoder:
         """Logits [b, V] for one new token per row (int64 tokens [b] at int positions [b]); the
         token's key and value are written to the cache first, then attended to with the rest."""
         bs = self.cache.shape.block_size
-        slots = block_tables.gather(1, (positions // bs)[:, None].long()).squeeze(1) * bs + positions % bs  # [b]
-        seq_lens = positions + 1
 
         def attend(layer_index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             k_cache, v_cache = self.cache.layer(layer_index)
             q_norm, k_norm = self._qk_norms(layer_index)
-            return self.ops.rope_decode_attention(q, k, v, q_norm, k_norm, self.eps, self.rope, slots, k_cache, v_cache,
-                                                  block_tables, seq_lens, bs, num_splits)
+            return self.ops.rope_decode_attention(q, k, v, q_norm, k_norm, self.eps, self.rope, positions, k_cache,
+                                                  v_cache, block_tables, bs, num_splits)
 
         hidden = self._layers(tokens, attend)  # [b, hidden]
         return F.linear(hidden, self.model.output_weight)

@@ -173,15 +173,16 @@ def _attend_tile(q, k, v, ok, m, l, acc, scale, IEEE: tl.constexpr):
 
 
 @triton.jit
-def _decode_attention_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, len_ptr, out_ptr, acc_ptr, ml_ptr, count_ptr, stride_bt,
-                             scale, k_ptr, v_ptr, qn_ptr, kn_ptr, table_ptr, slot_ptr, stride_q, stride_k, stride_v,
+def _decode_attention_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, pos_ptr, out_ptr, acc_ptr, ml_ptr, count_ptr, stride_bt,
+                             scale, k_ptr, v_ptr, qn_ptr, kn_ptr, table_ptr, stride_q, stride_k, stride_v,
                              eps, NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
                              GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
                              BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
                              IEEE: tl.constexpr, ROPE: tl.constexpr, QK_NORM: tl.constexpr):
     """One (row, KV head, split): attention of the GROUP query heads over the split's share of
-    the row's cached tokens. With several splits each writes its partial result, and the last
-    to finish (an atomic count per row and KV head) merges them: one launch either way.
+    the row's cached tokens (a row's length is its query token's position, at pos_ptr, + 1). With
+    several splits each writes its partial result, and the last to finish (an atomic count per row
+    and KV head) merges them: one launch either way.
 
     With ROPE, q, k and v are the row's new token straight from the q/k/v product (q [b, H D]
     at q_ptr, k and v [b, Hkv D]), and the kernel does what `qk_rope_cache` would have done
@@ -197,9 +198,9 @@ def _decode_attention_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, len_ptr, out_ptr, ac
     heads = kv_head * GROUP + g
     head_ok = g < GROUP
     dim_ok = d < HEAD_DIM
-    # Lengths, block tables and the cached keys and values were written by earlier kernels, which
+    # Positions, block tables and the cached keys and values were written by earlier kernels, which
     # had finished before the kernel before this one passed its own wait: read them before ours.
-    seq_len = tl.load(len_ptr + row)
+    seq_len = tl.load(pos_ptr + row) + 1
     chunk = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
     start = split * chunk
     end = tl.minimum(start + chunk, seq_len)
@@ -211,7 +212,8 @@ def _decode_attention_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, len_ptr, out_ptr, ac
         cos, sin = _cos_sin(table_ptr, (seq_len - 1).to(tl.int64), half[None, :], True, q_ptr.dtype.element_ty,
                             HEAD_DIM // 2)
         owner = (start < seq_len) & (seq_len <= end)  # this share holds the new token
-        slot_new = tl.load(slot_ptr + row, mask=owner, other=0).to(tl.int64)
+        block_new = tl.load(bt_ptr + row * stride_bt + (seq_len - 1) // BLOCK_SIZE, mask=owner, other=0).to(tl.int64)
+        slot_new = block_new * BLOCK_SIZE + (seq_len - 1) % BLOCK_SIZE  # where the new key and value go
     else:
         cached_end = end
     tl.extra.cuda.gdc_wait()  # q (k, v) come from the kernel before
@@ -607,27 +609,28 @@ class TritonOps(TorchOps):
         self.pdl = pdl
 
     def decode_attention(self, q, k_cache, v_cache, block_tables, seq_lens, block_size, num_splits):
-        return self._attention(q, k_cache, v_cache, block_tables, seq_lens, block_size, num_splits)
+        return self._attention(q, k_cache, v_cache, block_tables, seq_lens - 1, block_size, num_splits)
 
-    def rope_decode_attention(self, q, k, v, q_norm, k_norm, eps, table, slots, k_cache, v_cache, block_tables,
-                              seq_lens, block_size, num_splits):
+    def rope_decode_attention(self, q, k, v, q_norm, k_norm, eps, table, positions, k_cache, v_cache, block_tables,
+                              block_size, num_splits):
         head_dim = k_cache.shape[2]
         # The heads' halves are joined back in registers: power-of-two heads of 32 or more
         # (the matrix unit's 16 a half). Other shapes, and `fuse_rope` off, take two kernels.
         if not (self.fuse_rope and head_dim >= 32 and head_dim & (head_dim - 1) == 0
                 and q.stride(1) == k.stride(1) == v.stride(1) == 1):
-            return super().rope_decode_attention(q, k, v, q_norm, k_norm, eps, table, slots, k_cache, v_cache,
-                                                 block_tables, seq_lens, block_size, num_splits)
-        return self._attention(q, k_cache, v_cache, block_tables, seq_lens, block_size, num_splits,
-                               rope=(k, v, q_norm, k_norm, eps, table, slots))
+            return super().rope_decode_attention(q, k, v, q_norm, k_norm, eps, table, positions, k_cache, v_cache,
+                                                 block_tables, block_size, num_splits)
+        return self._attention(q, k_cache, v_cache, block_tables, positions, block_size, num_splits,
+                               rope=(k, v, q_norm, k_norm, eps, table))
 
-    def _attention(self, q, k_cache, v_cache, block_tables, seq_lens, block_size, num_splits, rope=None):
-        """q [b, H, D] rotated, or with `rope` (k, v, q_norm, k_norm, eps, table, slots) q [b, H*D]
-        straight from the product."""
+    def _attention(self, q, k_cache, v_cache, block_tables, positions, block_size, num_splits, rope=None):
+        """q [b, H, D] rotated, or with `rope` (k, v, q_norm, k_norm, eps, table) q [b, H*D]
+        straight from the product, of the token at `positions` [b] (int32) of each row: its
+        cache slot is found through the block table in the kernel."""
         num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2]
         batch, num_heads = q.shape[0], (q.shape[1] // head_dim if rope else q.shape[1])
         unread = q  # the pointers a variant does not read
-        k, v, q_norm, k_norm, eps, table, slots = rope or (unread, unread, None, None, 0.0, unread, unread)
+        k, v, q_norm, k_norm, eps, table = rope or (unread, unread, None, None, 0.0, unread)
         group = num_heads // num_kv_heads
         dim_pad = max(16, triton.next_power_of_2(head_dim))  # tl.dot needs 16 at least
         device = k_cache.device
@@ -638,10 +641,10 @@ class TritonOps(TorchOps):
         if num_splits == 1 and k_cache.element_size() == 2 and head_dim <= 128:
             block_n = min(self.unsplit_tile, 8192 // head_dim)  # a tile of keys 16 KB at most
         _decode_attention_kernel[(batch, num_kv_heads, num_splits)](
-            q, k_cache, v_cache, block_tables, seq_lens, out, acc, ml,
+            q, k_cache, v_cache, block_tables, positions, out, acc, ml,
             self._counter(device, batch * num_kv_heads, "attention"), block_tables.stride(0), head_dim**-0.5,
-            k, v, unread if q_norm is None else q_norm, unread if k_norm is None else k_norm, table, slots,
-            q.stride(0), k.stride(0), v.stride(0), eps, NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=group,
+            k, v, unread if q_norm is None else q_norm, unread if k_norm is None else k_norm, table, q.stride(0),
+            k.stride(0), v.stride(0), eps, NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=group,
             GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, DIM_PAD=dim_pad, BLOCK_SIZE=block_size,
             BLOCK_N=block_n, NUM_SPLITS=num_splits, IEEE=k_cache.dtype == torch.float32, ROPE=rope is not None,
             QK_NORM=q_norm is not None, num_warps=self.attention_warps, num_stages=self.attention_stages,
