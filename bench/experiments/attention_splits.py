@@ -53,6 +53,13 @@ VARIANTS = {
     "warps1 split4": dict(attention_warps=1, split_programs_per_sm=4),
     "warps1 split8": dict(attention_warps=1, split_programs_per_sm=8),
     "warps2 split4": dict(attention_warps=2, split_programs_per_sm=4),
+    # Session 19 (2026-12-02, working tree only, the kernel kept in bench/results/
+    # attention_splits-experiment-6-*): a row's two KV heads in one program, their keys side by
+    # side as one tile of 2 x D columns and each query head's values in its own KV head's columns
+    # (14 of 16 query rows real instead of 7, one softmax a tile for both); knob
+    # `attention_kv_per_program=2`, alone ("pairs"), with 4 programs per SM, or 8 warps. Slower at
+    # every batch: 0.5B batch 256 1328 -> 1366 us (1434, 1495), batch 16 794 -> 848; 1.5B batch
+    # 256 2500 -> 2645, batch 16 1480 -> 1658 (1583 with 8 warps).
     # (The recorded run, attention_splits-experiment-4-*, on an H100, also had "late table": its
     # "base" there read the first tile's block-table entries alongside the row length instead of
     # after it, a change tried in the working tree and not kept: 0.5B batch 256 -1%, 1.5B +2%.)
