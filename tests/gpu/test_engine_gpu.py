@@ -59,9 +59,10 @@ def test_kernels_compute_what_the_torch_ops_compute(dtype, tolerance):
     slots = torch.randperm(64 * block, device="cuda")[:tokens].int()
     for norm in (None, rnd(dim)):
         caches = [torch.zeros(64 * block, kv_heads, dim, dtype=dtype, device="cuda") for _ in range(4)]
-        q1 = ref.qk_rope_cache(q, k, v, norm, norm, 1e-6, table, positions, slots, caches[0], caches[1])
-        q2 = tri.qk_rope_cache(q, k, v, norm, norm, 1e-6, table, positions, slots, caches[2], caches[3])
-        assert _rel(q2, q1) < tolerance and _rel(caches[2], caches[0]) < tolerance and torch.equal(caches[3], caches[1])
+        q1, k1 = ref.qk_rope_cache(q, k, v, norm, norm, 1e-6, table, positions, slots, caches[0], caches[1])
+        q2, k2 = tri.qk_rope_cache(q, k, v, norm, norm, 1e-6, table, positions, slots, caches[2], caches[3])
+        assert _rel(q2, q1) < tolerance and _rel(k2, k1) < tolerance and torch.equal(caches[2][slots.long()], k2)
+        assert _rel(caches[2], caches[0]) < tolerance and torch.equal(caches[3], caches[1])
     k_cache, v_cache = rnd(64 * block, kv_heads, dim), rnd(64 * block, kv_heads, dim)
     tables = torch.randperm(63, device="cuda")[:48].view(4, 12).int() + 1
     lengths = torch.tensor([1, 17, 100, 192], device="cuda", dtype=torch.int32)

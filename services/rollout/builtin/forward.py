@@ -89,15 +89,17 @@ class PagedDecoder:
         positions = torch.arange(length, device=tokens.device).expand(groups, length).reshape(-1)
 
         def attend(layer_index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            # The prompt's keys and values are written, then attended to from the cache rows
-            # this layer wrote, as a dense right-padded batch.
+            # The prompt's keys and values are written to the cache, and attended to as they are
+            # (rotated keys, the product's values) as a dense right-padded batch: the same
+            # values the cache now holds, for real tokens (padding goes to the trash block).
             k_cache, v_cache = self.cache.layer(layer_index)
             q_norm, k_norm = self._qk_norms(layer_index)
             flat = slots.reshape(-1).long()
-            q = self.ops.qk_rope_cache(q, k, v, q_norm, k_norm, self.eps, self.rope, positions, flat, k_cache, v_cache)
-            k = k_cache[flat].view(groups, length, -1, self.config.head_dim)
-            v = v_cache[flat].view(groups, length, -1, self.config.head_dim)
-            out = self.ops.prefill_attention(q.view(groups, length, -1, self.config.head_dim), k, v)
+            q, k = self.ops.qk_rope_cache(q, k, v, q_norm, k_norm, self.eps, self.rope, positions, flat, k_cache,
+                                          v_cache)
+            dim = self.config.head_dim
+            out = self.ops.prefill_attention(q.view(groups, length, -1, dim), k.view(groups, length, -1, dim),
+                                             v.view(groups, length, -1, dim))
             return out.reshape(groups * length, -1)
 
         hidden = self._layers(tokens.reshape(-1), attend)  # [G*P, hidden]

@@ -84,10 +84,11 @@ def _cos_sin(table_ptr, pos, d, dm, dtype, HALF: tl.constexpr):
 
 @triton.jit
 def _qk_rope_cache_kernel(q_ptr, k_ptr, v_ptr, qn_ptr, kn_ptr, table_ptr, pos_ptr, slot_ptr, kc_ptr, vc_ptr,
-                          qo_ptr, stride_q, stride_k, stride_v, eps, NUM_HEADS: tl.constexpr,
+                          qk_out_ptr, stride_q, stride_k, stride_v, eps, NUM_HEADS: tl.constexpr,
                           NUM_KV_HEADS: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr,
                           QK_PAD: tl.constexpr, KV_PAD: tl.constexpr, QK_NORM: tl.constexpr):
-    """One program per token, all its heads at once: rows are q heads then k heads."""
+    """One program per token, all its heads at once: rows are q heads then k heads, written
+    rotated to qk_out [T, H + Hkv, D] (the k heads to the cache too)."""
     token = tl.program_id(0)
     tl.extra.cuda.gdc_wait()
     tl.extra.cuda.gdc_launch_dependents()
@@ -110,10 +111,10 @@ def _qk_rope_cache_kernel(q_ptr, k_ptr, v_ptr, qn_ptr, kn_ptr, table_ptr, pos_pt
     pos = tl.load(pos_ptr + token).to(tl.int64)
     cos, sin = _cos_sin(table_ptr, pos, d, dm, x1.dtype, HALF)
     o1, o2 = _rotate_halves(x1, x2, cos, sin)
-    q_out = qo_ptr + (token * NUM_HEADS + h) * head_dim
+    qk_out = qk_out_ptr + (token * (NUM_HEADS + NUM_KV_HEADS) + h) * head_dim
     k_out = kc_ptr + (slot * NUM_KV_HEADS + h - NUM_HEADS) * head_dim
-    tl.store(q_out + d, o1, mask=is_q & dm)
-    tl.store(q_out + HALF + d, o2, mask=is_q & dm)
+    tl.store(qk_out + d, o1, mask=(is_q | is_k) & dm)
+    tl.store(qk_out + HALF + d, o2, mask=(is_q | is_k) & dm)
     tl.store(k_out + d, o1, mask=is_k & dm)
     tl.store(k_out + HALF + d, o2, mask=is_k & dm)
     kv = tl.arange(0, KV_PAD)[:, None]
@@ -588,15 +589,15 @@ class TritonOps(TorchOps):
         tokens = q.shape[0]
         num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2]
         num_heads = q.shape[1] // head_dim
-        q_out = torch.empty(tokens, num_heads, head_dim, dtype=q.dtype, device=q.device)
+        qk_out = torch.empty(tokens, num_heads + num_kv_heads, head_dim, dtype=q.dtype, device=q.device)
         norm = q_norm is not None
         _qk_rope_cache_kernel[(tokens,)](
-            q, k, v, q_norm if norm else q, k_norm if norm else q, table, positions, slots, k_cache, v_cache, q_out,
+            q, k, v, q_norm if norm else q, k_norm if norm else q, table, positions, slots, k_cache, v_cache, qk_out,
             q.stride(0), k.stride(0), v.stride(0), eps, NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads,
             HALF=head_dim // 2, HALF_PAD=triton.next_power_of_2(head_dim // 2),
             QK_PAD=triton.next_power_of_2(num_heads + num_kv_heads), KV_PAD=triton.next_power_of_2(num_kv_heads),
             QK_NORM=norm, num_warps=4, launch_pdl=self.pdl)
-        return q_out
+        return qk_out[:, :num_heads], qk_out[:, num_heads:]
 
     def __init__(self, pdl: bool | None = None):
         self._counters: dict[tuple, torch.Tensor] = {}

@@ -40,9 +40,10 @@ class TorchOps:
 
     def qk_rope_cache(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_norm: torch.Tensor | None,
                       k_norm: torch.Tensor | None, eps: float, table: torch.Tensor, positions: torch.Tensor,
-                      slots: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+                      slots: torch.Tensor, k_cache: torch.Tensor,
+                      v_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Normalise (Qwen3) and rotate q [T, H*D] and k [T, Hkv*D], write k and v [T, Hkv*D] to
-        cache slots [T]; returns the rotated q [T, H, D]."""
+        cache slots [T]; returns the rotated q [T, H, D] and k [T, Hkv, D]."""
         num_tokens = q.shape[0]
         num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2]
         q = q.reshape(num_tokens, -1, head_dim)
@@ -55,7 +56,7 @@ class TorchOps:
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
         k_cache.index_copy_(0, slots.long(), k)
         v_cache.index_copy_(0, slots.long(), v.reshape(num_tokens, num_kv_heads, head_dim))
-        return q
+        return q, k
 
     @staticmethod
     def _head_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -85,7 +86,7 @@ class TorchOps:
         `positions` [b], int32): `qk_rope_cache` into the row's slot for that position, then
         `decode_attention` over the row's first positions + 1 tokens; [b, H*D]."""
         slots, seq_lens = self._step_addresses(positions, block_tables, block_size)
-        q = self.qk_rope_cache(q, k, v, q_norm, k_norm, eps, table, positions, slots, k_cache, v_cache)
+        q, _ = self.qk_rope_cache(q, k, v, q_norm, k_norm, eps, table, positions, slots, k_cache, v_cache)
         return self.decode_attention(q, k_cache, v_cache, block_tables, seq_lens, block_size, num_splits)
 
     def _step_addresses(self, positions: torch.Tensor, block_tables: torch.Tensor,
