@@ -180,6 +180,24 @@ def test_n_samples_are_prompt_major(generate):
             assert results[i * 3 + j].prompt_ids == prompt
 
 
+@pytest.mark.parametrize("n", [1, 3])
+def test_every_result_owns_its_lists(generate, n):
+    """A caller may edit what it gets back: no result shares a list with the prompts passed in
+    or with another result (the n samples of a prompt included)."""
+    model = _model()
+    prompts = _prompts()
+    sent = [list(p) for p in prompts]
+    results = generate(model, TOKENIZER, prompts, Sampling(max_new_tokens=4, n=n, seed=0, ignore_eos=True))
+    lengths = [(len(r.prompt_ids), len(r.output_ids), len(r.logprobs)) for r in results]
+    for result in results:
+        result.prompt_ids.append(0)
+        result.output_ids.append(0)
+        result.logprobs.append(0.0)
+    assert prompts == sent
+    assert [(len(r.prompt_ids), len(r.output_ids), len(r.logprobs)) for r in results] == [
+        (p + 1, o + 1, lp + 1) for p, o, lp in lengths]
+
+
 def test_logprobs_are_raw_log_softmax_of_a_full_forward(generate):
     model = _model(dtype=torch.float32)
     sampling = Sampling(temperature=0.7, top_k=6, top_p=0.9, max_new_tokens=10, n=2, seed=3, ignore_eos=True)

@@ -59,7 +59,10 @@ class BlockAllocator:
     def allocate(self, count: int) -> list[int]:
         if count > len(self._free):
             raise KVCacheFull(f"kv cache: {count} blocks wanted, {len(self._free)} free")
-        blocks = [self._free.pop() for _ in range(count)]
+        # The last `count` free ids, last first: what `count` pops hand out, in one slice.
+        start = len(self._free) - count
+        blocks = self._free[start:][::-1]
+        del self._free[start:]
         for b in blocks:
             self._refs[b] = 1
         return blocks
@@ -70,11 +73,12 @@ class BlockAllocator:
             self._refs[b] += 1
 
     def free(self, blocks: list[int]) -> None:
+        refs, free = self._refs, self._free
         for b in blocks:
-            assert self._refs[b] > 0, f"freeing free block {b}"
-            self._refs[b] -= 1
-            if self._refs[b] == 0:
-                self._free.append(b)
+            assert refs[b] > 0, f"freeing free block {b}"
+            refs[b] -= 1
+            if refs[b] == 0:
+                free.append(b)
 
 
 class PagedKVCache:
@@ -110,9 +114,18 @@ class PagedKVCache:
     def copy_blocks(self, src: list[int], dst: list[int]) -> None:
         """Block dst[i] of every layer takes block src[i]'s keys and values (one indexed copy)."""
         if src:
-            index_src = torch.tensor(src, device=self.device)
-            index_dst = torch.tensor(dst, device=self.device)
+            index_src, index_dst = to_device(torch.tensor([src, dst]), self.device)
             self.kv[:, :, index_dst] = self.kv[:, :, index_src]
+
+
+def to_device(values: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor's copy on `device`. On a GPU it goes through pinned memory and does not
+    block: a copy from pageable memory waits for all the work queued before it (a prefill just
+    queued, say) and leaves the device idle while the host catches up. The pinned buffer is not
+    reused before the copy is done (PyTorch's host allocator waits for it)."""
+    if device.type != "cuda":
+        return values.to(device)
+    return values.pin_memory().to(device, non_blocking=True)
 
 
 def blocks_in_budget(shape: KVShape, budget_bytes: int) -> int:

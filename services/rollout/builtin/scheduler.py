@@ -124,7 +124,8 @@ class Scheduler:
                 finished = [k for k in range(len(rows)) if done[k] or k in stopped]
                 if finished:
                     retiring = self._retire(rows, finished, made, stopped, stop_ids, results, n)
-                    keep = [k for k in range(len(rows)) if k not in set(finished)]
+                    finished_set = set(finished)
+                    keep = [k for k in range(len(rows)) if k not in finished_set]
                     self.runner.keep(keep)
                     rows = [rows[k] for k in keep]
                     made = [made[k] for k in keep]
@@ -177,17 +178,17 @@ class Scheduler:
                         f"needs {per_row} KV blocks of {bs} tokens; the cache has {allocator.num_blocks - 1}")
                 count = max(1, min(count, (allocator.num_free - shared) // max(1, per_row - shared)))
                 need = shared + count * (per_row - shared)
-            shared_blocks = allocator.allocate(shared)
-            if count > 1:
-                for _ in range(count - 1):
-                    allocator.share(shared_blocks)
+            blocks = allocator.allocate(need)  # in one call: the shared blocks, then each sample's own
+            shared_blocks = blocks[:shared]
+            for _ in range(count - 1):
+                allocator.share(shared_blocks)
             group = len(prompts)
-            first_own = None
-            for j in item.samples[:count]:
-                own = allocator.allocate(per_row - shared)
+            own_count = per_row - shared
+            first_own = blocks[shared]
+            for i, j in enumerate(item.samples[:count]):
+                own = blocks[shared + i * own_count : shared + (i + 1) * own_count]
                 table = shared_blocks + own
-                if first_own is None:
-                    first_own = own[0]
+                if i == 0:
                     prompts.append(item.prompt_ids)
                     tables.append(table)
                 elif length % bs:  # the prompt's last, partly filled block: each sample its own copy
@@ -239,8 +240,8 @@ class Scheduler:
         lengths = [stopped[k][0] if k in stopped else made[k] for k in finished]
         copied = self.runner.outputs_async(finished, lengths)
         done_rows = [rows[k] for k in finished]
+        self.cache.allocator.free([b for row in done_rows for b in row.blocks])  # one call, in the order of one a row
         for row in done_rows:
-            self.cache.allocator.free(row.blocks)
             row.blocks = []
         stops = [stopped.get(k) for k in finished]
 
@@ -253,8 +254,11 @@ class Scheduler:
                     text, reason = stop[1], "stop"
                 else:
                     text, reason = texts[i], "stop" if ids and ids[-1] in stop_ids else "length"
+                # With n = 1 a row's prompt list is its own (`run` copied the caller's) and nothing
+                # else keeps it; the n samples of a prompt share theirs, so each result takes a copy.
+                prompt_ids = row.prompt_ids if n == 1 else list(row.prompt_ids)
                 results[row.prompt_index * n + row.sample_index] = Generation(
-                    prompt_index=row.prompt_index, prompt_ids=list(row.prompt_ids), output_ids=ids, text=text,
+                    prompt_index=row.prompt_index, prompt_ids=prompt_ids, output_ids=ids, text=text,
                     logprobs=logprobs, finish_reason=reason)
 
         return hand_back
