@@ -90,7 +90,13 @@ def test_kernels_compute_what_the_torch_ops_compute(dtype, tolerance):
     inv_temp = torch.tensor([1 / 0.8], device="cuda")
     for greedy in (True, False):
         (t1, l1), (t2, l2) = ref.sample(logits, keys, steps, inv_temp, greedy), tri.sample(logits, keys, steps, inv_temp, greedy)
-        assert torch.equal(t1, t2) and torch.allclose(l1, l2, atol=1e-4)
+        # A draw sums in float32 on the GPU and float64 in the reference: where u x total falls
+        # within rounding of the boundary between two tokens, they take neighbours (rare; see
+        # the 4096-row test below). The logprob is each token's own, either way.
+        same = t1 == t2
+        assert bool(same.all()) if greedy else int((~same).sum()) <= 1 and bool(((t1 - t2).abs() <= 1).all())
+        own = torch.log_softmax(logits.float(), dim=-1).gather(1, t2[:, None]).squeeze(1)
+        assert torch.allclose(l1[same], l2[same], atol=1e-4) and torch.allclose(l2, own, atol=1e-4)
 
 
 @pytest.mark.parametrize("rows", [1, 5, 16, 17, 64, 200])
