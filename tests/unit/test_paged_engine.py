@@ -10,6 +10,7 @@ import json
 import pytest
 import torch
 
+from services.rollout.builtin import scheduler
 from services.rollout.builtin.core import CoreSettings, GenerationCore
 from services.rollout.builtin.scheduler import GenerationCancelled, PromptTooLong
 from services.rollout.types import Sampling
@@ -105,6 +106,31 @@ def test_with_nothing_to_stop_on_the_host_looks_only_when_a_row_reaches_its_limi
     assert core.scheduler.last_stats.rounds >= 29 * len(prompts) // 2
     assert [r.output_ids for r in quiet] == [r.output_ids for r in checked]
     assert [r.finish_reason for r in quiet] == ["length"] * len(prompts)
+
+
+def test_past_the_unchecked_limit_the_host_reads_nothing_until_a_row_can_finish(monkeypatch):
+    """Rows that can only end at max_new_tokens are looked at every MAX_UNCHECKED_STEPS steps, for
+    a cancel, but without a read (a device sync that idles the device) until the first can reach
+    its limit. The tokens are those of a call that reads after every step; a cancel is still seen."""
+    model = _model()  # (at most 64 positions: the limit is lowered to fit)
+    prompts = _prompts()[:2]
+    plain = Sampling(temperature=1.0, max_new_tokens=40, seed=4, ignore_eos=True)
+    core = _core(model, max_batch_size=4, check_every=1)
+    core.generate(prompts, plain)  # the runner this call needs exists
+    reads = []
+    monkeypatch.setattr(scheduler, "MAX_UNCHECKED_STEPS", 8)
+    monkeypatch.setattr(core.runner, "read", lambda rows, read=core.runner.read: (reads.append(rows), read(rows))[1])
+    quiet = core.generate(prompts, plain)
+    monkeypatch.undo()
+    assert core.scheduler.last_stats.rounds == 5 and len(reads) == 1  # 39 steps: 8, 8, 8, 8, then 7 and the read
+    checked = core.generate(prompts, Sampling(**{**plain.__dict__, "stop": ("never said",)}))
+    assert [r.output_ids for r in quiet] == [r.output_ids for r in checked]
+    assert [len(r.output_ids) for r in quiet] == [40, 40]
+    monkeypatch.setattr(scheduler, "MAX_UNCHECKED_STEPS", 8)
+    polls = []
+    with pytest.raises(GenerationCancelled):
+        core.generate(prompts, plain, lambda: polls.append(1) or len(polls) > 1)
+    assert len(polls) == 2 and _free_blocks_all_back(core)
 
 
 @pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 0, 1.0), (1.0, 3, 1.0), (1.0, 0, 0.8)])

@@ -97,6 +97,7 @@ class Scheduler:
         rounds = steps = prefills = max_rows = 0
         prefill_s = decode_s = host_s = 0.0
         retiring: Callable[[], None] | None = None  # the last round's finished rows, handed back later
+        unread = None  # the end of a round the host did not read (`ModelRunner.mark`)
         try:
             while waiting or rows:
                 if cancelled is not None and cancelled():
@@ -117,6 +118,17 @@ class Scheduler:
                     retiring = None
                     host_s += spent
                     admitted_at += spent  # (not the decode's)
+                if not can_stop and rows and todo < min(sampling_.max_new_tokens - m for m in made):
+                    # No row can finish in these steps (nothing but its length limit stops one),
+                    # so nothing to read: wait only for the round before, the device runs on, and
+                    # a cancel is still seen within a round or two.
+                    if unread is not None:
+                        unread.synchronize()
+                    unread = self.runner.mark()
+                    made = [m + todo for m in made]
+                    rounds += 1
+                    decode_s += time.perf_counter() - admitted_at
+                    continue
                 done, made = self.runner.read(len(rows))
                 read_at = time.perf_counter()
                 decode_s += read_at - admitted_at
@@ -142,8 +154,9 @@ class Scheduler:
     def _steps_before_check(self, made: list[int], max_new: int, can_stop: bool) -> int:
         """Decode steps to run before the host looks again. A row with no stop token or string
         to meet can only finish at its length limit, which the host knows: with none, it looks
-        when the first row gets there (at most MAX_UNCHECKED_STEPS on, for a cancel to be seen),
-        rather than every `check_every` steps, each look a sync that leaves the device idle."""
+        when the first row gets there (at most MAX_UNCHECKED_STEPS on, for a cancel to be seen,
+        and that look reads nothing: `run` only waits for the round before), rather than every
+        `check_every` steps, each look a sync that leaves the device idle."""
         left = [max_new - m for m in made]
         if can_stop:
             return min(self.check_every, max(left, default=0))
