@@ -4,13 +4,15 @@ Decode is bound by reading the weights once per step, so what matters besides th
 products is how many kernels a step launches, that none of them waits on the host, and that
 each starts before the one before it ends (programmatic dependent launch, Hopper on):
 - `add_rmsnorm`: residual add and RMSNorm in one pass (one kernel instead of five);
-- `qk_rope_cache`: Qwen3's q/k norm, RoPE, and the key/value store into the paged cache (prefill);
+- `qk_rope_cache`: Qwen3's q/k norm, RoPE, and the key/value store into the paged cache (prefill,
+  which attends to the rotated q and k it returns);
 - `decode_attention`: split-K paged attention for one query token per row; each program takes
   one KV head and all the query heads that share it, reading each cached key once, and the
   last split of a row to finish merges them (one launch);
 - `rope_decode_attention`: the decode step's: the same kernel doing `qk_rope_cache`'s work for
-  its own heads on the way (one kernel a layer fewer), reading what earlier kernels wrote (the
-  first tile of cached keys and values) before it waits for the q/k/v product;
+  its own heads on the way (one kernel a layer fewer, the new token's slot found through the
+  block table), reading what earlier kernels wrote (the first tile of cached keys and values)
+  before it waits for the q/k/v product;
 - `silu_mul`: the gated MLP's activation;
 - `skinny_linear`: a small batch's attention products, their weights fetched into L2 while the
   kernel before still runs;
