@@ -392,6 +392,67 @@ def _skinny_linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, count_ptr, row
 
 
 @triton.jit
+def _tile_linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, rows, n, k, k_share, stride_x, stride_out,
+                        HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, BLOCK_M: tl.constexpr,
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, LINES: tl.constexpr):
+    """out [rows, n] = x [rows, k] @ w [n, k]^T (+ bias) in BLOCK_M x BLOCK_N output tiles: one
+    program per (tile, share of k), the tiles of one weight block adjacent in launch order (they
+    run together, so the block comes from memory once). With PARTIAL the program writes its
+    float32 sum to out [shares, rows, n], which `_add_shares_kernel` adds in share order.
+    k_share is a multiple of BLOCK_K."""
+    pid = tl.program_id(0)
+    share = tl.program_id(1)
+    m_tiles = tl.cdiv(rows, BLOCK_M)
+    m = (pid % m_tiles) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = (pid // m_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_ok = m < rows
+    n_ok = cols < n
+    kk = share * k_share + tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + m[:, None] * stride_x + kk[None, :]
+    w_ptrs = w_ptr + cols.to(tl.int64)[:, None] * k + kk[None, :]
+    if LINES > 0:
+        # Ask L2 for this program's part of the weight block (the block's programs take every
+        # m_tiles-th 128-byte line each) while the kernel before still runs.
+        line = tl.arange(0, LINES)
+        line_ok = (line % m_tiles == pid % m_tiles) & (line * 64 < k_share)
+        starts = w_ptr + cols.to(tl.int64)[:, None] * k + (share * k_share + line * 64)[None, :]
+        _prefetch_l2(tl.where(n_ok[:, None] & line_ok[None, :], starts, w_ptr))
+    tl.extra.cuda.gdc_wait()  # x's writer has finished
+    tl.extra.cuda.gdc_launch_dependents()
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    for _ in range(0, k_share, BLOCK_K):
+        x = tl.load(x_ptrs, mask=m_ok[:, None], other=0.0)
+        w = tl.load(w_ptrs, mask=n_ok[:, None], other=0.0)
+        acc = tl.dot(x, tl.trans(w), acc)
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    mask = m_ok[:, None] & n_ok[None, :]
+    if PARTIAL:
+        tl.store(out_ptr + share * rows * n + m[:, None] * n + cols[None, :], acc, mask=mask)
+    else:
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + cols, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        tl.store(out_ptr + m[:, None] * stride_out + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _add_shares_kernel(part_ptr, b_ptr, out_ptr, total, n, SHARES: tl.constexpr, HAS_BIAS: tl.constexpr,
+                       BLOCK: tl.constexpr):
+    """out [total] = the float32 partials part [SHARES, total] added in share order (+ bias [n]
+    by column), rounded to out's dtype."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < total
+    tl.extra.cuda.gdc_wait()
+    tl.extra.cuda.gdc_launch_dependents()
+    acc = tl.load(part_ptr + offs, mask=ok, other=0.0)
+    for share in tl.static_range(1, SHARES):
+        acc += tl.load(part_ptr + share * total + offs, mask=ok, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs % n, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
 def _hash32(x):
     """`sampling.hash32` in uint32: products wrap at 2**32, as the reference's masks make them."""
     x = ((x >> 16) ^ x) * 0x45D9F3B
@@ -575,6 +636,17 @@ class TritonOps(TorchOps):
     skinny_block_k = 128
     skinny_warps = 4
     skinny_stages = 3
+    # Products of more rows than that, up to `tile_max_rows`, whose weight is at most
+    # `tile_max_bytes`, run as `_tile_linear_kernel` with `tile_config` (BLOCK_M, BLOCK_N,
+    # BLOCK_K, warps, stages, k shares); the rest go to cuBLAS. Off (0 bytes) until measured.
+    tile_max_rows = 512
+    tile_max_bytes = 0
+    tile_config = (64, 64, 128, 4, 3, 1)
+    # Products with k of at least `tile_long_k` (the MLP's down product) take their own.
+    tile_long_k = 2048
+    tile_long_max_bytes = 0
+    tile_long_config = (64, 64, 64, 4, 4, 4)
+    tile_prefetch = False  # each program asks L2 for its weight lines before its wait
 
     def add_rmsnorm(self, x, residual, weight, eps):
         rows, cols = x.shape
@@ -676,9 +748,12 @@ class TritonOps(TorchOps):
                                         launch_pdl=self.pdl)
 
     def linear(self, x, weight, bias=None):
-        if not self._skinny(x, weight):
-            return super().linear(x, weight, bias)
-        return self._skinny_linear(x, weight, bias, silu=False)
+        if self._skinny(x, weight):
+            return self._skinny_linear(x, weight, bias, silu=False)
+        config = self._tile_plan(x, weight)
+        if config is not None:
+            return self._tile_linear(x, weight, bias, config)
+        return super().linear(x, weight, bias)
 
     def silu_mul_linear(self, gate, up, weight, bias=None):
         # gate and up are the halves of one [T, 2 I] product (`forward.fuse_projections`)
@@ -692,6 +767,39 @@ class TritonOps(TorchOps):
         return (x.shape[0] <= self.skinny_rows and x.dtype in (torch.bfloat16, torch.float16)
                 and weight.numel() * weight.element_size() <= self.skinny_max_bytes
                 and weight.dtype == x.dtype and weight.is_contiguous() and x.stride(1) == 1)
+
+    def _tile_plan(self, x, weight) -> tuple | None:
+        """`_tile_linear_kernel`'s config for this product, or None for cuBLAS."""
+        k = x.shape[1]
+        long = k >= self.tile_long_k
+        config = self.tile_long_config if long else self.tile_config
+        limit = self.tile_long_max_bytes if long else self.tile_max_bytes
+        if (self.skinny_rows < x.shape[0] <= self.tile_max_rows and x.dtype in (torch.bfloat16, torch.float16)
+                and weight.numel() * weight.element_size() <= limit
+                and weight.dtype == x.dtype and weight.is_contiguous() and x.stride(1) == 1
+                and k % (config[2] * config[5]) == 0):
+            return config
+        return None
+
+    def _tile_linear(self, x, weight, bias, config):
+        block_m, block_n, block_k, warps, stages, shares = config
+        rows, k = x.shape
+        n = weight.shape[0]
+        out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
+        grid = (triton.cdiv(rows, block_m) * triton.cdiv(n, block_n), shares)
+        partial = shares > 1
+        target = torch.empty(shares, rows, n, dtype=torch.float32, device=x.device) if partial else out
+        lines = triton.next_power_of_2(triton.cdiv(k // shares, 64)) if self.tile_prefetch else 0
+        _tile_linear_kernel[grid](x, weight, bias if bias is not None and not partial else weight, target, rows, n, k,
+                                  k // shares, x.stride(0), target.stride(-2), HAS_BIAS=bias is not None,
+                                  PARTIAL=partial, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, LINES=lines,
+                                  num_warps=warps, num_stages=stages, launch_pdl=self.pdl)
+        if partial:
+            total = rows * n
+            _add_shares_kernel[(triton.cdiv(total, 1024),)](target, bias if bias is not None else weight, out, total,
+                                                             n, SHARES=shares, HAS_BIAS=bias is not None, BLOCK=1024,
+                                                             num_warps=4, launch_pdl=self.pdl)
+        return out
 
     def _skinny_linear(self, x, weight, bias, silu: bool):
         rows, k = x.shape
