@@ -1,7 +1,10 @@
 """A screening experiment (2026-12-03): the decode step with the attention's q/k/v and o
-products of more than 16 rows on `_tile_linear_kernel` (`TritonOps.tile_*`) in a few tile
-shapes, with and without asking L2 for the weights before the kernel's wait, and the MLP's down
-product on it too (k split in 4 shares), against cuBLAS; alternating in one process on one model (see `alternate.py`).
+products of more than 16 rows on `_tile_linear_kernel` (`TritonOps.tile_*`), as the engine
+takes them, against cuBLAS; alternating in one process on one model (see `alternate.py`).
+
+The first runs (`bench/results/tile_step-experiment-*`) compared tile shapes, the kernel with and
+without asking L2 for its weight before its wait, and the MLP's down product on it with k split
+in shares; those knobs exist at commit 38f4f74 only.
 
     python bench/experiments/tile_step.py [variants] [batches]   # on a GPU
 """
@@ -14,28 +17,21 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from bench.experiments.alternate import alternate, cli, greedy_tail  # noqa: E402
+from services.rollout.builtin.kernels import TritonOps  # noqa: E402
 
-VARIANTS = {  # tile_config: BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, k shares; "pf": tile_prefetch
-    "cublas": dict(tile_max_bytes=0),
-    "64x32": {},
-    "64x32 pf": dict(tile_prefetch=True),
-    "64x64 pf": dict(tile_prefetch=True, tile_config=(64, 64, 128, 4, 3, 1)),
-    "64x32 +down": dict(tile_long_max_bytes=64 << 20),
-    "64x32 pf +down": dict(tile_prefetch=True, tile_long_max_bytes=64 << 20),
-    "64x32 pf +down 128x64": dict(tile_prefetch=True, tile_long_max_bytes=64 << 20,
-                                  tile_long_config=(128, 64, 64, 4, 4, 4)),
+VARIANTS = {
+    "cublas": dict(tile_max_bytes=0, tile_wide_max_bytes=0),
+    "tile": dict(tile_max_bytes=TritonOps.tile_max_bytes, tile_wide_max_bytes=TritonOps.tile_wide_max_bytes),
 }
-BASE = dict(tile_max_bytes=8 << 20, tile_config=(64, 32, 128, 4, 3, 1), tile_prefetch=False, tile_long_max_bytes=0,
-            tile_long_config=(64, 64, 64, 4, 4, 4))
 
 
 def apply(core, name: str) -> None:
-    for knob, value in {**BASE, **VARIANTS[name]}.items():
+    for knob, value in VARIANTS[name].items():
         setattr(core.ops, knob, value)
 
 
 def main() -> None:
-    alternate(*cli(VARIANTS, [256, 64]), apply, describe=greedy_tail)
+    alternate(*cli(VARIANTS, [256, 128, 64, 32]), apply, describe=greedy_tail)
 
 
 if __name__ == "__main__":

@@ -127,6 +127,29 @@ def test_small_batch_products_compute_what_the_torch_ops_compute(rows):
         assert _rel(first[1], ref.silu_mul_linear(gate, up, down)) < 5e-3
         assert _rel(tri.linear(x, w), ref.linear(x, w)) < 5e-3
 
+@pytest.mark.parametrize("rows", [17, 64, 129, 256])
+def test_tile_products_compute_what_the_torch_ops_compute(rows):
+    """The attention's products of more than 16 rows on `_tile_linear_kernel` (64 x 32 tiles,
+    weight lines asked of L2 before the kernel's wait): q/k/v with its bias and o, at row counts
+    that leave a partial row tile and column counts that leave a partial column tile. Twice in a
+    row, as a captured graph replays them: the same bits both times."""
+    from services.rollout.builtin.kernels import TritonOps
+
+    ref, tri = TorchOps(), TritonOps()
+    gen = torch.Generator(device="cuda").manual_seed(2)
+
+    def rnd(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=gen, device="cuda") * scale).to(torch.bfloat16)
+
+    x, qkv, bias, o = rnd(rows, 896), rnd(1152 + 40, 896, scale=0.05), rnd(1152 + 40), rnd(896, 896, scale=0.05)
+    assert tri._tiled(x, qkv) and tri._tiled(x, o)
+    first = tri.linear(x, qkv, bias), tri.linear(x, o)
+    second = tri.linear(x, qkv, bias), tri.linear(x, o)
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
+    assert _rel(first[0], ref.linear(x, qkv, bias)) < 5e-3
+    assert _rel(first[1], ref.linear(x, o)) < 5e-3
+
+
 def test_kernel_draws_match_the_reference_and_take_neither_end_for_an_extreme_u():
     """Over 4096 rows of a 151,936-token vocabulary the kernel (float32 sums by chunks) draws what
     the torch reference (float64 running sums) draws, but where u times the total falls within

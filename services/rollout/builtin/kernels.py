@@ -15,7 +15,7 @@ each starts before the one before it ends (programmatic dependent launch, Hopper
   before it waits for the q/k/v product;
 - `silu_mul`: the gated MLP's activation;
 - `skinny_linear`: a small batch's attention products, their weights fetched into L2 while the
-  kernel before still runs;
+  kernel before still runs; `tile_linear` the same products for larger batches, in plain tiles;
 - `sample`: logsumexp, the seeded draw's sums and the chosen token's logprob in one read of the
   logits, the draw itself in the kernel that records the token (see `sampling.py` for the draw
   and the hash it shares with the torch version).
@@ -392,64 +392,41 @@ def _skinny_linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, count_ptr, row
 
 
 @triton.jit
-def _tile_linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, rows, n, k, k_share, stride_x, stride_out,
-                        HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, BLOCK_M: tl.constexpr,
-                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, LINES: tl.constexpr):
-    """out [rows, n] = x [rows, k] @ w [n, k]^T (+ bias) in BLOCK_M x BLOCK_N output tiles: one
-    program per (tile, share of k), the tiles of one weight block adjacent in launch order (they
-    run together, so the block comes from memory once). With PARTIAL the program writes its
-    float32 sum to out [shares, rows, n], which `_add_shares_kernel` adds in share order.
-    k_share is a multiple of BLOCK_K."""
+def _tile_linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, rows, n, k, stride_x, stride_out, HAS_BIAS: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, LINES: tl.constexpr):
+    """out [rows, n] = x [rows, k] @ w [n, k]^T (+ bias) in BLOCK_M x BLOCK_N output tiles, one
+    program a tile (k a multiple of BLOCK_K), the tiles of one weight block adjacent in launch
+    order: they run together, so the block comes from memory once.
+
+    Launched with PDL, the program starts while the kernel before it (x's writer) still runs,
+    and asks L2 for its weight lines (a block's programs take every m_tiles-th 128-byte line
+    each) before it waits for that kernel."""
     pid = tl.program_id(0)
-    share = tl.program_id(1)
     m_tiles = tl.cdiv(rows, BLOCK_M)
     m = (pid % m_tiles) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = (pid // m_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
     m_ok = m < rows
     n_ok = cols < n
-    kk = share * k_share + tl.arange(0, BLOCK_K)
-    x_ptrs = x_ptr + m[:, None] * stride_x + kk[None, :]
-    w_ptrs = w_ptr + cols.to(tl.int64)[:, None] * k + kk[None, :]
-    if LINES > 0:
-        # Ask L2 for this program's part of the weight block (the block's programs take every
-        # m_tiles-th 128-byte line each) while the kernel before still runs.
-        line = tl.arange(0, LINES)
-        line_ok = (line % m_tiles == pid % m_tiles) & (line * 64 < k_share)
-        starts = w_ptr + cols.to(tl.int64)[:, None] * k + (share * k_share + line * 64)[None, :]
-        _prefetch_l2(tl.where(n_ok[:, None] & line_ok[None, :], starts, w_ptr))
-    tl.extra.cuda.gdc_wait()  # x's writer has finished
+    rows_w = w_ptr + cols.to(tl.int64)[:, None] * k
+    line = tl.arange(0, LINES)
+    line_ok = (line % m_tiles == pid % m_tiles) & (line * 64 < k)
+    _prefetch_l2(tl.where(n_ok[:, None] & line_ok[None, :], rows_w + line[None, :] * 64, w_ptr))
+    tl.extra.cuda.gdc_wait()
     tl.extra.cuda.gdc_launch_dependents()
+    kk = tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + m[:, None] * stride_x + kk[None, :]
+    w_ptrs = rows_w + kk[None, :]
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    for _ in range(0, k_share, BLOCK_K):
+    for _ in range(0, k, BLOCK_K):
         x = tl.load(x_ptrs, mask=m_ok[:, None], other=0.0)
         w = tl.load(w_ptrs, mask=n_ok[:, None], other=0.0)
         acc = tl.dot(x, tl.trans(w), acc)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
-    mask = m_ok[:, None] & n_ok[None, :]
-    if PARTIAL:
-        tl.store(out_ptr + share * rows * n + m[:, None] * n + cols[None, :], acc, mask=mask)
-    else:
-        if HAS_BIAS:
-            acc += tl.load(b_ptr + cols, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-        tl.store(out_ptr + m[:, None] * stride_out + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _add_shares_kernel(part_ptr, b_ptr, out_ptr, total, n, SHARES: tl.constexpr, HAS_BIAS: tl.constexpr,
-                       BLOCK: tl.constexpr):
-    """out [total] = the float32 partials part [SHARES, total] added in share order (+ bias [n]
-    by column), rounded to out's dtype."""
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    ok = offs < total
-    tl.extra.cuda.gdc_wait()
-    tl.extra.cuda.gdc_launch_dependents()
-    acc = tl.load(part_ptr + offs, mask=ok, other=0.0)
-    for share in tl.static_range(1, SHARES):
-        acc += tl.load(part_ptr + share * total + offs, mask=ok, other=0.0)
     if HAS_BIAS:
-        acc += tl.load(b_ptr + offs % n, mask=ok, other=0.0).to(tl.float32)
-    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=ok)
+        acc += tl.load(b_ptr + cols, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    tl.store(out_ptr + m[:, None] * stride_out + cols[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=m_ok[:, None] & n_ok[None, :])
 
 
 @triton.jit
@@ -637,16 +614,22 @@ class TritonOps(TorchOps):
     skinny_warps = 4
     skinny_stages = 3
     # Products of more rows than that, up to `tile_max_rows`, whose weight is at most
-    # `tile_max_bytes`, run as `_tile_linear_kernel` with `tile_config` (BLOCK_M, BLOCK_N,
-    # BLOCK_K, warps, stages, k shares); the rest go to cuBLAS. Off (0 bytes) until measured.
+    # `tile_max_bytes` (`tile_wide_max_bytes` past `tile_wide_rows` rows) run as
+    # `_tile_linear_kernel` in tiles of 64 rows by 32 columns: the attention's q/k/v and o. Timed
+    # alone it only matches cuBLAS (0.5B q/k/v at 256 rows: 5.1 against 5.0 us), but launched
+    # with PDL it starts, and asks L2 for its weight, while the norm or the attention before it
+    # still runs. H200, decode step: 0.5B batch 64 972 -> 865 us, batch 256 1332 -> 1285; 1.5B
+    # batch 64 1736 -> 1665, but batch 256 (4.7-6.3 MB weights) 2470 -> 2690, hence the smaller
+    # bound there. 64 x 64 tiles, or no L2 request, were within 1% at batch 256 and slower at 64;
+    # the MLP's down product on it (k in 4 shares) gained nothing (bench/experiments/tile_step.py,
+    # bench/results/tile_step-experiment-*).
     tile_max_rows = 512
-    tile_max_bytes = 0
-    tile_config = (64, 64, 128, 4, 3, 1)
-    # Products with k of at least `tile_long_k` (the MLP's down product) take their own.
-    tile_long_k = 2048
-    tile_long_max_bytes = 0
-    tile_long_config = (64, 64, 64, 4, 4, 4)
-    tile_prefetch = False  # each program asks L2 for its weight lines before its wait
+    tile_max_bytes = 8 << 20
+    tile_wide_rows = 128
+    tile_wide_max_bytes = 3 << 20
+    tile_block = (64, 32, 128)  # BLOCK_M, BLOCK_N, BLOCK_K
+    tile_warps = 4
+    tile_stages = 3
 
     def add_rmsnorm(self, x, residual, weight, eps):
         rows, cols = x.shape
@@ -750,9 +733,8 @@ class TritonOps(TorchOps):
     def linear(self, x, weight, bias=None):
         if self._skinny(x, weight):
             return self._skinny_linear(x, weight, bias, silu=False)
-        config = self._tile_plan(x, weight)
-        if config is not None:
-            return self._tile_linear(x, weight, bias, config)
+        if self._tiled(x, weight):
+            return self._tile_linear(x, weight, bias)
         return super().linear(x, weight, bias)
 
     def silu_mul_linear(self, gate, up, weight, bias=None):
@@ -768,37 +750,23 @@ class TritonOps(TorchOps):
                 and weight.numel() * weight.element_size() <= self.skinny_max_bytes
                 and weight.dtype == x.dtype and weight.is_contiguous() and x.stride(1) == 1)
 
-    def _tile_plan(self, x, weight) -> tuple | None:
-        """`_tile_linear_kernel`'s config for this product, or None for cuBLAS."""
-        k = x.shape[1]
-        long = k >= self.tile_long_k
-        config = self.tile_long_config if long else self.tile_config
-        limit = self.tile_long_max_bytes if long else self.tile_max_bytes
-        if (self.skinny_rows < x.shape[0] <= self.tile_max_rows and x.dtype in (torch.bfloat16, torch.float16)
-                and weight.numel() * weight.element_size() <= limit
-                and weight.dtype == x.dtype and weight.is_contiguous() and x.stride(1) == 1
-                and k % (config[2] * config[5]) == 0):
-            return config
-        return None
+    def _tiled(self, x, weight) -> bool:
+        rows, k = x.shape
+        limit = self.tile_max_bytes if rows <= self.tile_wide_rows else self.tile_wide_max_bytes
+        return (self.skinny_rows < rows <= self.tile_max_rows and x.dtype in (torch.bfloat16, torch.float16)
+                and weight.numel() * weight.element_size() <= limit and k % self.tile_block[2] == 0
+                and weight.dtype == x.dtype and weight.is_contiguous() and x.stride(1) == 1)
 
-    def _tile_linear(self, x, weight, bias, config):
-        block_m, block_n, block_k, warps, stages, shares = config
+    def _tile_linear(self, x, weight, bias):
         rows, k = x.shape
         n = weight.shape[0]
+        block_m, block_n, block_k = self.tile_block
         out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
-        grid = (triton.cdiv(rows, block_m) * triton.cdiv(n, block_n), shares)
-        partial = shares > 1
-        target = torch.empty(shares, rows, n, dtype=torch.float32, device=x.device) if partial else out
-        lines = triton.next_power_of_2(triton.cdiv(k // shares, 64)) if self.tile_prefetch else 0
-        _tile_linear_kernel[grid](x, weight, bias if bias is not None and not partial else weight, target, rows, n, k,
-                                  k // shares, x.stride(0), target.stride(-2), HAS_BIAS=bias is not None,
-                                  PARTIAL=partial, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, LINES=lines,
-                                  num_warps=warps, num_stages=stages, launch_pdl=self.pdl)
-        if partial:
-            total = rows * n
-            _add_shares_kernel[(triton.cdiv(total, 1024),)](target, bias if bias is not None else weight, out, total,
-                                                             n, SHARES=shares, HAS_BIAS=bias is not None, BLOCK=1024,
-                                                             num_warps=4, launch_pdl=self.pdl)
+        _tile_linear_kernel[(triton.cdiv(rows, block_m) * triton.cdiv(n, block_n),)](
+            x, weight, bias if bias is not None else weight, out, rows, n, k, x.stride(0), out.stride(0),
+            HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+            LINES=triton.next_power_of_2(triton.cdiv(k, 64)), num_warps=self.tile_warps, num_stages=self.tile_stages,
+            launch_pdl=self.pdl)
         return out
 
     def _skinny_linear(self, x, weight, bias, silu: bool):
