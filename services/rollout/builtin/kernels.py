@@ -620,12 +620,13 @@ class TritonOps(TorchOps):
     # with PDL it starts, and asks L2 for its weight, while the norm or the attention before it
     # still runs. H200, decode step: 0.5B batch 64 972 -> 865 us, batch 256 1332 -> 1285; 1.5B
     # batch 64 1736 -> 1665, but batch 256 (4.7-6.3 MB weights) 2470 -> 2690, hence the smaller
-    # bound there. 64 x 64 tiles, or no L2 request, were within 1% at batch 256 and slower at 64;
-    # the MLP's down product on it (k in 4 shares) gained nothing (bench/experiments/tile_step.py,
-    # bench/results/tile_step-experiment-*).
+    # bound past 64 rows (batches 32 and 128 were not measured: 128 keeps cuBLAS for the 1.5B
+    # shape, as before). 64 x 64 tiles, or no L2 request, were within 1% at batch 256 and slower
+    # at 64; the MLP's down product on it (k in 4 shares) gained nothing
+    # (bench/experiments/tile_step.py, bench/results/tile_step-experiment-*).
     tile_max_rows = 512
     tile_max_bytes = 8 << 20
-    tile_wide_rows = 128
+    tile_wide_rows = 64
     tile_wide_max_bytes = 3 << 20
     tile_block = (64, 32, 128)  # BLOCK_M, BLOCK_N, BLOCK_K
     tile_warps = 4
