@@ -32,31 +32,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from bench.experiments.hopper_gemm import ClusterGemm  # noqa: E402
-
-COPIES = 24
-
-
-def graph_us(calls) -> float:
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for call in calls[:2]:
-            call()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for call in calls:
-            call()
-    times = []
-    for _ in range(5):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / len(calls))
-    return sorted(times)[2]
-
+from bench.experiments.tile_linear import COPIES, graph_us  # noqa: E402
 
 def main() -> None:
     src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")

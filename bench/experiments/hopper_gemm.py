@@ -325,43 +325,32 @@ def _nvrtc() -> ctypes.CDLL:
     raise RuntimeError("no libnvrtc found")
 
 
-def compile_cubin(code: str, arch: str = "sm_90a") -> bytes:
+def _compile(code: str, arch: str, what: str) -> bytes:
+    """NVRTC's CUBIN (what="CUBIN", arch sm_XX) or PTX (what="PTX", arch compute_XX) of `code`."""
     nvrtc = _nvrtc()
     prog = ctypes.c_void_p()
     if nvrtc.nvrtcCreateProgram(ctypes.byref(prog), code.encode(), b"mc_gemm.cu", 0, None, None):
         raise RuntimeError("nvrtcCreateProgram failed")
     opts = [f"-arch={arch}".encode(), b"-std=c++17", b"-default-device"]
-    arr = (ctypes.c_char_p * len(opts))(*opts)
-    rc = nvrtc.nvrtcCompileProgram(prog, len(opts), arr)
+    rc = nvrtc.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts))
     size = ctypes.c_size_t()
     nvrtc.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
     log = ctypes.create_string_buffer(size.value)
     nvrtc.nvrtcGetProgramLog(prog, log)
     if rc:
         raise RuntimeError(f"nvrtc: {log.value.decode()[:4000]}")
-    nvrtc.nvrtcGetCUBINSize(prog, ctypes.byref(size))
-    cubin = ctypes.create_string_buffer(size.value)
-    nvrtc.nvrtcGetCUBIN(prog, cubin)
-    return cubin.raw
+    getattr(nvrtc, f"nvrtcGet{what}Size")(prog, ctypes.byref(size))
+    out = ctypes.create_string_buffer(size.value)
+    getattr(nvrtc, f"nvrtcGet{what}")(prog, out)
+    return out.raw
+
+
+def compile_cubin(code: str, arch: str = "sm_90a") -> bytes:
+    return _compile(code, arch, "CUBIN")
 
 
 def ptx_of(code: str, arch: str = "sm_90a") -> str:
-    nvrtc = _nvrtc()
-    prog = ctypes.c_void_p()
-    nvrtc.nvrtcCreateProgram(ctypes.byref(prog), code.encode(), b"mc_gemm.cu", 0, None, None)
-    opts = [f"-arch={arch.replace('sm_', 'compute_')}".encode(), b"-std=c++17", b"-default-device"]
-    arr = (ctypes.c_char_p * len(opts))(*opts)
-    rc = nvrtc.nvrtcCompileProgram(prog, len(opts), arr)
-    size = ctypes.c_size_t()
-    nvrtc.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
-    log = ctypes.create_string_buffer(size.value)
-    nvrtc.nvrtcGetProgramLog(prog, log)
-    if rc:
-        raise RuntimeError(f"nvrtc: {log.value.decode()[:4000]}")
-    nvrtc.nvrtcGetPTXSize(prog, ctypes.byref(size))
-    ptx = ctypes.create_string_buffer(size.value)
-    nvrtc.nvrtcGetPTX(prog, ptx)
-    return ptx.value.decode()
+    return _compile(code, arch.replace("sm_", "compute_"), "PTX").rstrip(b"\0").decode()
 
 
 class _Attr(ctypes.Structure):
