@@ -150,6 +150,31 @@ def test_tile_products_compute_what_the_torch_ops_compute(rows):
     assert _rel(first[1], ref.linear(x, o)) < 5e-3
 
 
+@pytest.mark.parametrize("dtype,tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+@pytest.mark.parametrize("groups,length,heads,kv_heads,dim", [(3, 64, 14, 2, 64), (2, 133, 12, 2, 128),
+                                                              (5, 7, 4, 4, 64)])
+def test_prefill_attention_kernel_computes_what_sdpa_computes(dtype, tolerance, groups, length, heads, kv_heads, dim):
+    """Causal attention of right-padded prompts on `prefill_attention.py`'s kernel, from q and k
+    as the prefill's RoPE kernel leaves them and v as a strided view of the q/k/v product (the
+    decoder's layout), against SDPA: query groups of 7, 6 and 1 heads, lengths that leave partial
+    row and key blocks. Twice: the same bits both times."""
+    from services.rollout.builtin.kernels import TritonOps
+
+    ref, tri = TorchOps(), TritonOps()
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    tokens = groups * length
+    qk = torch.randn(tokens, heads + kv_heads, dim, generator=gen, device="cuda").to(dtype)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=gen, device="cuda").to(dtype)
+    q = qk[:, :heads].view(groups, length, heads, dim)
+    k = qk[:, heads:].view(groups, length, kv_heads, dim)
+    v = qkv[:, (heads + kv_heads) * dim:].view(groups, length, kv_heads, dim)
+    got, again = tri.prefill_attention(q, k, v), tri.prefill_attention(q, k, v)
+    assert torch.equal(got, again)
+    assert _rel(got, ref.prefill_attention(q, k, v)) < tolerance
+    tri.prefill_kernel_max_len = length - 1  # longer prompts: SDPA, the same numbers as the reference
+    assert torch.equal(tri.prefill_attention(q, k, v), ref.prefill_attention(q, k, v))
+
+
 def test_kernel_draws_match_the_reference_and_take_neither_end_for_an_extreme_u():
     """Over 4096 rows of a 151,936-token vocabulary the kernel (float32 sums by chunks) draws what
     the torch reference (float64 running sums) draws, but where u times the total falls within

@@ -31,6 +31,7 @@ import triton.language as tl
 from services import devices
 
 from services.rollout.builtin import sampling
+from services.rollout.builtin.prefill_attention import prefill_attention
 from services.rollout.builtin.ops import TorchOps
 
 
@@ -579,8 +580,8 @@ def _sample_record_kernel(part_ptr, tok_part_ptr, logits_ptr, scores_ptr, stride
 
 
 class TritonOps(TorchOps):
-    """The GPU ops: each a Triton kernel with the reference's signature (prefill attention and
-    top-k / top-p filtering stay on torch: flash attention and sorting are already kernels)."""
+    """The GPU ops: each a Triton kernel with the reference's signature (top-k / top-p filtering
+    stays on torch: sorting is already a kernel, and so does the prefill attention of long prompts)."""
 
     name = "triton"
     # Attention tile when a row is not split (large batches). On long rows longer tiles pay:
@@ -631,6 +632,9 @@ class TritonOps(TorchOps):
     tile_block = (64, 32, 128)  # BLOCK_M, BLOCK_N, BLOCK_K
     tile_warps = 4
     tile_stages = 3
+    # Prefill attention of prompts up to this many tokens (the padded length) on
+    # `prefill_attention.py`'s kernel, longer ones on SDPA's flash / cuDNN kernels.
+    prefill_kernel_max_len = 4096
 
     def add_rmsnorm(self, x, residual, weight, eps):
         rows, cols = x.shape
@@ -656,6 +660,13 @@ class TritonOps(TorchOps):
             QK_PAD=triton.next_power_of_2(num_heads + num_kv_heads), KV_PAD=triton.next_power_of_2(num_kv_heads),
             QK_NORM=norm, num_warps=4, launch_pdl=self.pdl)
         return qk_out[:, :num_heads], qk_out[:, num_heads:]
+
+    def prefill_attention(self, q, k, v):
+        head_dim = q.shape[3]
+        if (q.shape[1] > self.prefill_kernel_max_len or head_dim > 128
+                or any(t.stride(3) != 1 or t.stride(2) != head_dim for t in (q, k, v))):
+            return super().prefill_attention(q, k, v)
+        return prefill_attention(q, k, v)
 
     def __init__(self, pdl: bool | None = None):
         self._counters: dict[tuple, torch.Tensor] = {}
