@@ -182,7 +182,8 @@ def _decode_attention_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, pos_ptr, out_ptr, ac
                              eps, NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
                              GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
                              BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                             IEEE: tl.constexpr, ROPE: tl.constexpr, QK_NORM: tl.constexpr):
+                             IEEE: tl.constexpr, ROPE: tl.constexpr, QK_NORM: tl.constexpr,
+                             PRELOAD: tl.constexpr):
     """One (row, KV head, split): attention of the GROUP query heads over the split's share of
     the row's cached tokens (a row's length is its query token's position, at pos_ptr, + 1). With
     several splits each writes its partial result, and the last to finish (an atomic count per row
@@ -212,6 +213,9 @@ def _decode_attention_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, pos_ptr, out_ptr, ac
         cached_end = tl.minimum(end, seq_len - 1)  # the new token is not in the cache yet
         k0, v0, ok0 = _kv_tile(kc_ptr, vc_ptr, bt_ptr, row, stride_bt, kv_head, start, cached_end, n, d, dim_ok,
                                NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE)  # the first tile, ahead of the wait
+        if PRELOAD == 2:  # and the second
+            k1, v1, ok1 = _kv_tile(kc_ptr, vc_ptr, bt_ptr, row, stride_bt, kv_head, start + BLOCK_N, cached_end, n,
+                                   d, dim_ok, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE)
         half = tl.arange(0, HEAD_DIM // 2)
         cos, sin = _cos_sin(table_ptr, (seq_len - 1).to(tl.int64), half[None, :], True, q_ptr.dtype.element_ty,
                             HEAD_DIM // 2)
@@ -245,6 +249,10 @@ def _decode_attention_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, pos_ptr, out_ptr, ac
         if start < cached_end:
             m, l, acc = _attend_tile(q, k0, v0, ok0, m, l, acc, scale, IEEE)
         loop_start = start + BLOCK_N
+        if PRELOAD == 2:
+            if loop_start < cached_end:
+                m, l, acc = _attend_tile(q, k1, v1, ok1, m, l, acc, scale, IEEE)
+            loop_start += BLOCK_N
     else:
         q = tl.load(q_ptr + (row * NUM_HEADS + heads)[:, None] * HEAD_DIM + d[None, :],
                     mask=head_ok[:, None] & dim_ok[None, :], other=0.0)
@@ -596,6 +604,8 @@ class TritonOps(TorchOps):
     unsplit_tile = 64
     attention_warps = 4  # 2 warps or 3 stages: within 2% (bench/results/attention_splits-experiment-*)
     attention_stages = 2
+    # Cached key/value tiles a decode attention program loads before its wait (RoPE inside only).
+    attention_preload = 1
     # A decode step's RoPE and key/value store inside the attention kernel (one kernel a layer fewer).
     fuse_rope = True
     # Products of at most `skinny_rows` rows (a small batch's decode step) whose weight is at most
@@ -717,8 +727,8 @@ class TritonOps(TorchOps):
             k.stride(0), v.stride(0), eps, NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=group,
             GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, DIM_PAD=dim_pad, BLOCK_SIZE=block_size,
             BLOCK_N=block_n, NUM_SPLITS=num_splits, IEEE=k_cache.dtype == torch.float32, ROPE=rope is not None,
-            QK_NORM=q_norm is not None, num_warps=self.attention_warps, num_stages=self.attention_stages,
-            launch_pdl=self.pdl)
+            QK_NORM=q_norm is not None, PRELOAD=self.attention_preload, num_warps=self.attention_warps,
+            num_stages=self.attention_stages, launch_pdl=self.pdl)
         return out
 
     def _counter(self, device: torch.device, size: int, kind: str) -> torch.Tensor:
