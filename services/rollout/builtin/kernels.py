@@ -604,8 +604,16 @@ class TritonOps(TorchOps):
     unsplit_tile = 64
     attention_warps = 4  # 2 warps or 3 stages: within 2% (bench/results/attention_splits-experiment-*)
     attention_stages = 2
-    # Cached key/value tiles a decode attention program loads before its wait (RoPE inside only).
-    attention_preload = 1
+    # A decode attention program (RoPE inside) loads its first cached key/value tile before its
+    # wait, and its second too where a tile is at most `attention_preload_max_bytes` and rows
+    # are split in at most `attention_preload_max_splits` shares (more shares: a share of a
+    # short row is one tile, the second would be empty and only cost registers). H200, decode
+    # step, one tile -> two: 0.5B batch 256 1313 -> 1278 us, batch 64 882 -> 863 (3 shares of
+    # 32-token tiles), batch 16 790 -> 793 (9 shares); 1.5B batch 64 1694 -> 1656, batch 16 1481
+    # -> 1487, batch 256 2533 -> 2689 (its 16 KB tiles: 128-wide heads, 64 tokens)
+    # (bench/experiments/knob_step.py, bench/results/attention_preload-experiment-*).
+    attention_preload_max_bytes = 8 << 10
+    attention_preload_max_splits = 4
     # A decode step's RoPE and key/value store inside the attention kernel (one kernel a layer fewer).
     fuse_rope = True
     # Products of at most `skinny_rows` rows (a small batch's decode step) whose weight is at most
@@ -643,8 +651,11 @@ class TritonOps(TorchOps):
     tile_warps = 4
     tile_stages = 3
     # Prefill attention of prompts up to this many tokens (the padded length) on
-    # `prefill_attention.py`'s kernel, longer ones on SDPA's flash / cuDNN kernels.
-    prefill_kernel_max_len = 4096
+    # `prefill_attention.py`'s kernel, longer ones on SDPA's (cuDNN's) kernel. H200, a call
+    # prefilling 256 prompts of 64 tokens: 0.5B 28.45 -> 27.38 ms, 1.5B 76.4 -> 76.0; 64 of 512:
+    # 0.5B 50.6 -> 52.0, 1.5B 149.9 -> 153.9 (bench/experiments/prefill_ab.py,
+    # bench/results/prefill_ab-experiment-*). 128 lies between, not measured.
+    prefill_kernel_max_len = 128
 
     def add_rmsnorm(self, x, residual, weight, eps):
         rows, cols = x.shape
@@ -720,6 +731,10 @@ class TritonOps(TorchOps):
         block_n = 32
         if num_splits == 1 and k_cache.element_size() == 2 and head_dim <= 128:
             block_n = min(self.unsplit_tile, 8192 // head_dim)  # a tile of keys 16 KB at most
+        preload = 1
+        if (block_n * head_dim * k_cache.element_size() <= self.attention_preload_max_bytes
+                and num_splits <= self.attention_preload_max_splits):
+            preload = 2
         _decode_attention_kernel[(batch, num_kv_heads, num_splits)](
             q, k_cache, v_cache, block_tables, positions, out, acc, ml,
             self._counter(device, batch * num_kv_heads, "attention"), block_tables.stride(0), head_dim**-0.5,
@@ -727,7 +742,7 @@ class TritonOps(TorchOps):
             k.stride(0), v.stride(0), eps, NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=group,
             GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, DIM_PAD=dim_pad, BLOCK_SIZE=block_size,
             BLOCK_N=block_n, NUM_SPLITS=num_splits, IEEE=k_cache.dtype == torch.float32, ROPE=rope is not None,
-            QK_NORM=q_norm is not None, PRELOAD=self.attention_preload, num_warps=self.attention_warps,
+            QK_NORM=q_norm is not None, PRELOAD=preload, num_warps=self.attention_warps,
             num_stages=self.attention_stages, launch_pdl=self.pdl)
         return out
 
