@@ -652,10 +652,10 @@ class TritonOps(TorchOps):
     tile_stages = 3
     # Prefill attention of prompts up to this many tokens (the padded length) on
     # `prefill_attention.py`'s kernel, longer ones on SDPA's (cuDNN's) kernel. H200, a call
-    # prefilling 256 prompts of 64 tokens: 0.5B 28.45 -> 27.38 ms, 1.5B 76.4 -> 76.0; 64 of 512:
-    # 0.5B 50.6 -> 52.0, 1.5B 149.9 -> 153.9 (bench/experiments/prefill_ab.py,
-    # bench/results/prefill_ab-experiment-*). 128 lies between, not measured.
-    prefill_kernel_max_len = 128
+    # prefilling 256 prompts of 64 tokens: 0.5B 28.45 -> 27.38 ms, 1.5B 76.4 -> 76.0; of 128
+    # tokens even (0.5B 50.9 -> 50.7, 1.5B 147.3 -> 148.5); 64 of 512: 0.5B 50.6 -> 52.0, 1.5B
+    # 149.9 -> 153.9 (bench/experiments/prefill_ab.py, bench/results/prefill_ab-experiment-*).
+    prefill_kernel_max_len = 64
 
     def add_rmsnorm(self, x, residual, weight, eps):
         rows, cols = x.shape
