@@ -1,7 +1,7 @@
 """The decode step at each value of one `TritonOps` knob, alternating in one process on one model
 (see `alternate.py`): the screening loop for a setting that needs no code of its own.
 
-    python bench/experiments/knob_step.py attention_preload=1,2 [batches]   # on a GPU
+    python bench/experiments/knob_step.py attention_preload_max_splits=0,4 [batches] [shapes]   # on a GPU
 """
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ def main() -> None:
     def apply(core, name: str) -> None:
         setattr(core.ops, knob, ast.literal_eval(name.split("=", 1)[1]))
 
-    alternate(names, batches, apply, describe=greedy_tail)
+    shapes = tuple(sys.argv[3].split(",")) if len(sys.argv) > 3 else ("0.5b", "1.5b")
+    alternate(names, batches, apply, describe=greedy_tail, shapes=shapes)
 
 
 if __name__ == "__main__":

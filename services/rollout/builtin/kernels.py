@@ -657,6 +657,9 @@ class TritonOps(TorchOps):
     # 149.9 -> 153.9 (bench/experiments/prefill_ab.py, bench/results/prefill_ab-experiment-*).
     prefill_kernel_max_len = 64
 
+    norm_warps = 4  # a row a program
+    silu_warps = 4  # 1024 columns a program
+
     def add_rmsnorm(self, x, residual, weight, eps):
         rows, cols = x.shape
         out = torch.empty_like(x)
@@ -664,8 +667,8 @@ class TritonOps(TorchOps):
         has_res = residual is not None
         _add_rmsnorm_kernel[(rows,)](x, residual if has_res else x, weight, out, res_out, cols, x.stride(0),
                                      residual.stride(0) if has_res else 0, out.stride(0), eps,
-                                     HAS_RESIDUAL=has_res, BLOCK=triton.next_power_of_2(cols), num_warps=4,
-                                     launch_pdl=self.pdl)
+                                     HAS_RESIDUAL=has_res, BLOCK=triton.next_power_of_2(cols),
+                                     num_warps=self.norm_warps, launch_pdl=self.pdl)
         return out, res_out
 
     def qk_rope_cache(self, q, k, v, q_norm, k_norm, eps, table, positions, slots, k_cache, v_cache):
@@ -833,7 +836,8 @@ class TritonOps(TorchOps):
         out = torch.empty(rows, cols, dtype=gate.dtype, device=gate.device)
         block = 1024
         _silu_mul_kernel[(rows, triton.cdiv(cols, block))](gate, up, out, cols, gate.stride(0), up.stride(0),
-                                                          BLOCK=block, num_warps=4, launch_pdl=self.pdl)
+                                                          BLOCK=block, num_warps=self.silu_warps,
+                                                          launch_pdl=self.pdl)
         return out
 
     def sample(self, logits, keys, steps, inv_temperature, greedy, scores=None):
