@@ -658,6 +658,7 @@ class TritonOps(TorchOps):
     prefill_kernel_max_len = 64
 
     norm_warps = 4  # a row a program
+    sample_warps = 8  # a vocabulary chunk (sampling.CHUNK tokens) a program
     silu_warps = 4  # 1024 columns a program
 
     def add_rmsnorm(self, x, residual, weight, eps):
@@ -863,6 +864,6 @@ class TritonOps(TorchOps):
         use = logits if scores is None else scores
         _sample_chunk_kernel[(batch, chunks)](logits, use, inv_temperature, part, tok_part, vocab, logits.stride(0),
                                               use.stride(0), NUM_CHUNKS=chunks, GREEDY=greedy,
-                                              SCALE_SCORES=scores is None, CHUNK=sampling.CHUNK, num_warps=8,
+                                              SCALE_SCORES=scores is None, CHUNK=sampling.CHUNK, num_warps=self.sample_warps,
                                               launch_pdl=self.pdl)
         return part, tok_part, chunks, use
