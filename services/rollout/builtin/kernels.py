@@ -657,9 +657,14 @@ class TritonOps(TorchOps):
     # 149.9 -> 153.9 (bench/experiments/prefill_ab.py, bench/results/prefill_ab-experiment-*).
     prefill_kernel_max_len = 64
 
-    norm_warps = 4  # a row a program
-    sample_warps = 8  # a vocabulary chunk (sampling.CHUNK tokens) a program
-    silu_warps = 4  # 1024 columns a program
+    # Warps a program of the norm (a row), the sampling chunk kernel (sampling.CHUNK tokens) and
+    # the SiLU (1024 columns). H200, 0.5B decode step (bench/experiments/knob_step.py,
+    # bench/results/knob_step-experiment-*): norm 1, 2 or 4 and SiLU 1 or 4 within the spread at
+    # batch 256, SiLU 1 slower at 16 (794 -> 808 us); sampling 4 instead of 8 1283 -> 1270 us at
+    # batch 256 (both rounds), the same at 16: not taken yet, the GPU tests have not run with it.
+    norm_warps = 4
+    sample_warps = 8
+    silu_warps = 4
 
     def add_rmsnorm(self, x, residual, weight, eps):
         rows, cols = x.shape
