@@ -34,7 +34,9 @@ import triton.language as tl
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from bench.experiments.alternate import alternate, cli, greedy_tail  # noqa: E402
-from services.rollout.builtin.kernels import TritonOps, _prefetch_l2, _silu_times  # noqa: E402
+from services.rollout.builtin.kernels import TritonOps  # noqa: E402
+from services.rollout.builtin.linear_kernels import _prefetch_l2  # noqa: E402
+from services.rollout.builtin.pointwise_kernels import _silu_times  # noqa: E402
 from services.rollout.builtin.ops import TorchOps  # noqa: E402
 
 VARIANTS = ["base", "bmm4", "bmm8", "tile4", "glu64x32", "glu128x64", "glu64x32+bmm4"]

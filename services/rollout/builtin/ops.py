@@ -1,5 +1,5 @@
 """The paged forward's building blocks, in plain torch: the CPU path, and the reference the GPU
-kernels (`kernels.py`) are tested against.
+kernels (`kernels.py` and the `*_kernels.py` it launches) are tested against.
 
 Each op computes what the decoder (`services.models.decoder`) computes, in the same precision
 steps (RMSNorm in float32 cast back before the weight, rotate-half RoPE with cos/sin cast to the
