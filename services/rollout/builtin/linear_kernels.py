@@ -13,6 +13,8 @@ import triton.language as tl
 
 from services.rollout.builtin.pointwise_kernels import _silu_times
 
+# Rows of `_skinny_linear_kernel`'s tile: 16 (the matrix unit's narrowest side) for a batch of
+# up to 16, the batch's power of two up to 64 past that, in as many row tiles as it takes.
 SKINNY_BLOCK_M = 16
 SKINNY_MAX_BLOCK_M = 64
 

@@ -49,5 +49,3 @@ def _silu_mul_kernel(gate_ptr, up_ptr, out_ptr, n_cols, stride_gate, stride_up, 
     up = tl.load(up_ptr + row * stride_up + cols, mask=mask, other=0.0)
     tl.store(out_ptr + row * n_cols + cols, _silu_times(gate, up), mask=mask)
 
-
-# Rows of `_skinny_linear_kernel`'s tile: 16 (the matrix unit's narrowest side) for a batch of
