@@ -48,4 +48,3 @@ def _silu_mul_kernel(gate_ptr, up_ptr, out_ptr, n_cols, stride_gate, stride_up, 
     gate = tl.load(gate_ptr + row * stride_gate + cols, mask=mask, other=0.0)
     up = tl.load(up_ptr + row * stride_up + cols, mask=mask, other=0.0)
     tl.store(out_ptr + row * n_cols + cols, _silu_times(gate, up), mask=mask)
-
