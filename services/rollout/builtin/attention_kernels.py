@@ -118,13 +118,13 @@ def _kv_tile(kc_ptr, vc_ptr, bt_ptr, row, stride_bt, kv_head, first, limit, n, d
 
 @triton.jit
 def _attend_tile(q, k, v, ok, m, l, acc, scale, IEEE: tl.constexpr):
-    """One tile of the online softmax: q [G, D] against keys and values [N, D] (`ok` the real
-    ones), updating the running max m, sum l [G] and output acc [G, D]."""
+    """One tile of the online softmax: q [G, D] against keys and values [N, D] (`ok` [1 or G, N]:
+    which keys each query attends to), updating the running max m, sum l [G] and output acc [G, D]."""
     if IEEE:
         s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # [G, N]
     else:
         s = tl.dot(q, tl.trans(k)) * scale
-    s = tl.where(ok[None, :], s, float("-inf"))
+    s = tl.where(ok, s, float("-inf"))
     m_new = tl.maximum(m, tl.max(s, axis=1))
     alpha = tl.exp(m - m_new)
     p = tl.exp(s - m_new[:, None])
@@ -207,11 +207,11 @@ def _decode_attention_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, pos_ptr, out_ptr, ac
         l = tl.where(owner, 1.0, l)
         acc = tl.where(owner, acc + v_new.to(tl.float32), acc)
         if start < cached_end:
-            m, l, acc = _attend_tile(q, k0, v0, ok0, m, l, acc, scale, IEEE)
+            m, l, acc = _attend_tile(q, k0, v0, ok0[None, :], m, l, acc, scale, IEEE)
         loop_start = start + BLOCK_N
         if PRELOAD == 2:
             if loop_start < cached_end:
-                m, l, acc = _attend_tile(q, k1, v1, ok1, m, l, acc, scale, IEEE)
+                m, l, acc = _attend_tile(q, k1, v1, ok1[None, :], m, l, acc, scale, IEEE)
             loop_start += BLOCK_N
     else:
         q = tl.load(q_ptr + (row * NUM_HEADS + heads)[:, None] * HEAD_DIM + d[None, :],
@@ -219,7 +219,7 @@ def _decode_attention_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, pos_ptr, out_ptr, ac
     for first in range(loop_start, cached_end, BLOCK_N):
         k, v, ok = _kv_tile(kc_ptr, vc_ptr, bt_ptr, row, stride_bt, kv_head, first, cached_end, n, d, dim_ok,
                             NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE)
-        m, l, acc = _attend_tile(q, k, v, ok, m, l, acc, scale, IEEE)
+        m, l, acc = _attend_tile(q, k, v, ok[None, :], m, l, acc, scale, IEEE)
     out_offs = (row * NUM_HEADS + heads)[:, None] * HEAD_DIM + d[None, :]
     out_ok = head_ok[:, None] & dim_ok[None, :]
     if NUM_SPLITS == 1:

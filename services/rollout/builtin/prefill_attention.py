@@ -15,6 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from services.rollout.builtin.attention_kernels import _attend_tile
+
 
 @triton.jit
 def _prefill_attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, length, stride_qg, stride_qt, stride_kg, stride_kt,
@@ -22,8 +24,8 @@ def _prefill_attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, length, stride_qg, s
                               HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
                               BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
     """One (prompt, KV head, block of packed query rows): row r is token r // GROUP's query
-    head kv_head * GROUP + r % GROUP; keys up to its token attended (causal); the online softmax
-    as the decode kernel keeps it."""
+    head kv_head * GROUP + r % GROUP; keys up to its token attended (causal), by the decode
+    kernel's online softmax (`_attend_tile`)."""
     prompt = tl.program_id(0)
     kv_head = tl.program_id(1)
     r = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -46,20 +48,7 @@ def _prefill_attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, length, stride_qg, s
         kv_ok = (t < length)[:, None] & dim_ok[None, :]
         k = tl.load(k_base + t[:, None] * stride_kt + d[None, :], mask=kv_ok, other=0.0)
         v = tl.load(v_base + t[:, None] * stride_vt + d[None, :], mask=kv_ok, other=0.0)
-        if IEEE:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # [M, N]
-        else:
-            s = tl.dot(q, tl.trans(k)) * scale
-        s = tl.where(t[None, :] <= token[:, None], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, axis=1))
-        alpha = tl.exp(m - m_new)
-        p = tl.exp(s - m_new[:, None])
-        l = l * alpha + tl.sum(p, axis=1)
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m = m_new
+        m, l, acc = _attend_tile(q, k, v, t[None, :] <= token[:, None], m, l, acc, scale, IEEE)  # causal
     o_offs = prompt.to(tl.int64) * stride_og + token[:, None] * stride_ot + head[:, None] * HEAD_DIM + d[None, :]
     tl.store(out_ptr + o_offs, (acc / l[:, None]).to(out_ptr.dtype.element_ty),
              mask=row_ok[:, None] & dim_ok[None, :])
