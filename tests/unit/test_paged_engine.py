@@ -108,10 +108,11 @@ def test_with_nothing_to_stop_on_the_host_looks_only_when_a_row_reaches_its_limi
     assert [r.finish_reason for r in quiet] == ["length"] * len(prompts)
 
 
-def test_past_the_unchecked_limit_the_host_reads_nothing_until_a_row_can_finish(monkeypatch):
+def test_rows_that_can_only_end_at_their_limit_are_never_read(monkeypatch):
     """Rows that can only end at max_new_tokens are looked at every MAX_UNCHECKED_STEPS steps, for
-    a cancel, but without a read (a device sync that idles the device) until the first can reach
-    its limit. The tokens are those of a call that reads after every step; a cancel is still seen."""
+    a cancel, but never read (a read is a device sync that idles the device): the host knows when
+    each reaches its limit. The tokens are those of a call that reads after every step; a cancel
+    is still seen."""
     model = _model()  # (at most 64 positions: the limit is lowered to fit)
     prompts = _prompts()[:2]
     plain = Sampling(temperature=1.0, max_new_tokens=40, seed=4, ignore_eos=True)
@@ -122,7 +123,7 @@ def test_past_the_unchecked_limit_the_host_reads_nothing_until_a_row_can_finish(
     monkeypatch.setattr(core.runner, "read", lambda rows, read=core.runner.read: (reads.append(rows), read(rows))[1])
     quiet = core.generate(prompts, plain)
     monkeypatch.undo()
-    assert core.scheduler.last_stats.rounds == 5 and len(reads) == 1  # 39 steps: 8, 8, 8, 8, then 7 and the read
+    assert core.scheduler.last_stats.rounds == 5 and reads == []  # 39 steps: 8, 8, 8, 8, then 7
     checked = core.generate(prompts, Sampling(**{**plain.__dict__, "stop": ("never said",)}))
     assert [r.output_ids for r in quiet] == [r.output_ids for r in checked]
     assert [len(r.output_ids) for r in quiet] == [40, 40]
@@ -131,6 +132,37 @@ def test_past_the_unchecked_limit_the_host_reads_nothing_until_a_row_can_finish(
     with pytest.raises(GenerationCancelled):
         core.generate(prompts, plain, lambda: polls.append(1) or len(polls) > 1)
     assert len(polls) == 2 and _free_blocks_all_back(core)
+
+
+def test_outputs_taken_in_pieces_while_decoding_come_back_whole(monkeypatch):
+    """Rows that can only end at their length limit have their outputs so far copied out and
+    turned into lists while later steps run, a piece every MAX_UNCHECKED_STEPS steps. With rows
+    admitted at different times (so their pieces start at different tokens) and packed when others
+    finish, every result holds the same tokens and logprobs (to float32 rounding: the batches
+    differ), as plain Python numbers, as a call that reads after every step and takes each row's
+    outputs at its end."""
+    model = _model(dtype=torch.float32)
+    prompts = _prompts() + [LONG]
+    sampling = Sampling(temperature=1.0, max_new_tokens=23, n=2, seed=9, ignore_eos=True)
+    core = _core(model, max_batch_size=5, check_every=1)
+    core.generate(prompts, sampling)  # the pool this call needs exists
+    monkeypatch.setattr(scheduler, "MAX_UNCHECKED_STEPS", 5)
+    monkeypatch.setattr(core.scheduler, "max_prefill_tokens", 1)  # a prompt a round: rows of different ages
+    pieces = []
+    monkeypatch.setattr(core.scheduler, "_outputs_so_far",
+                        lambda rows, made, take=core.scheduler._outputs_so_far: (pieces.append(list(made)),
+                                                                                 take(rows, made))[1])
+    taken = core.generate(prompts, sampling)
+    monkeypatch.undo()
+    assert len(pieces) >= 4 and len({m for made in pieces for m in made}) > 2  # rows at different points
+    whole = core.generate(prompts, Sampling(**{**sampling.__dict__, "stop": ("never said",)}))
+    assert [r.output_ids for r in taken] == [r.output_ids for r in whole]
+    for a, b in zip(taken, whole):
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
+    assert [len(r.output_ids) for r in taken] == [len(r.logprobs) for r in taken] == [23] * len(taken)
+    assert {type(t) for r in taken for t in r.output_ids} == {int}
+    assert {type(x) for r in taken for x in r.logprobs} == {float}
+    assert _free_blocks_all_back(core)
 
 
 @pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 0, 1.0), (1.0, 3, 1.0), (1.0, 0, 0.8)])

@@ -11,6 +11,11 @@ than one round. Handing rows back is split in two: their outputs are copied out 
 blocks freed before the rest are packed, and the host work (lists, text, `Generation`s) is done
 while the next round's decode steps run, not while the device waits for it.
 
+The host's own work is kept off the device's critical path: a prefill is queued before its rows'
+records are made; rows that nothing but their length limit can end are never read (the host
+knows when they finish), and their outputs so far are turned into lists a round at a time while
+later steps run, so that little is left for the end of the call, when the device is idle.
+
 A row reserves blocks for its prompt plus max_new_tokens when admitted: it can never run out
 mid-way, so nothing is ever preempted or recomputed.
 """
@@ -19,7 +24,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 from services.models.tokenizer import Tokenizer
@@ -32,11 +37,11 @@ from services.rollout.types import Generation, Sampling
 MAX_UNCHECKED_STEPS = 64  # decode steps between host checks at most, when rows cannot stop early
 
 
-def _timed(work: Callable[[], None]) -> float:
-    """Seconds `work()` took."""
+def _timed(hand_back: Callable[[], float]) -> tuple[float, float]:
+    """Seconds `hand_back()` took, and of those the seconds it waited for the device (it says)."""
     started = time.perf_counter()
-    work()
-    return time.perf_counter() - started
+    waited = hand_back()
+    return time.perf_counter() - started, waited
 
 
 class GenerationCancelled(RuntimeError):
@@ -54,6 +59,10 @@ class _Row:
     prompt_ids: list[int]
     blocks: list[int]  # the row's references: the prompt's shared blocks, then its own
     searched: int = 0  # output tokens already searched for stop strings
+    # Its first outputs, already on the host (`Scheduler._outputs_so_far`); handing the row back
+    # appends the rest and gives these lists to its `Generation`.
+    ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
 
 
 @dataclass
@@ -89,15 +98,18 @@ class Scheduler:
         mode = StepMode(greedy=greedy, top_k=0 if greedy else sampling_.top_k, top_p=not greedy and sampling_.top_p < 1)
         self.runner.begin(temperature=sampling_.temperature, top_p=sampling_.top_p,
                           max_new_tokens=sampling_.max_new_tokens, stop_ids=stop_ids)
-        waiting = deque(_Waiting(i, list(p), list(range(n))) for i, p in enumerate(prompts_ids))
+        # The caller's lists as they are (`_admit` copies them once their prefill is queued)
+        waiting = deque(_Waiting(i, p if type(p) is list else list(p), list(range(n)))
+                        for i, p in enumerate(prompts_ids))
         rows: list[_Row] = []
         results: list[Generation | None] = [None] * (len(prompts_ids) * n)
         made = []  # tokens made per row, as of the last check
         can_stop = bool(stop_ids or sampling_.stop)
         rounds = steps = prefills = max_rows = 0
         prefill_s = decode_s = host_s = 0.0
-        retiring: Callable[[], None] | None = None  # the last round's finished rows, handed back later
-        unread = None  # the end of a round the host did not read (`ModelRunner.mark`)
+        # Host work queued for while the next decode steps run (each says how long it waited for
+        # the device): finished rows handed back, outputs so far turned into lists.
+        pending: list[Callable[[], float]] = []
         try:
             while waiting or rows:
                 if cancelled is not None and cancelled():
@@ -113,29 +125,35 @@ class Scheduler:
                 if todo > 0:
                     self.runner.decode(len(rows), todo, mode)
                     steps += todo
-                if retiring is not None:  # while those steps run
-                    spent = _timed(retiring)
-                    retiring = None
-                    host_s += spent
+                for work in pending:  # while those steps run
+                    spent, waited = _timed(work)
+                    host_s += spent - waited
+                    decode_s += waited
                     admitted_at += spent  # (not the decode's)
-                if not can_stop and rows and todo < min(sampling_.max_new_tokens - m for m in made):
-                    # No row can finish in these steps (nothing but its length limit stops one),
-                    # so nothing to read: wait only for the round before, the device runs on, and
-                    # a cancel is still seen within a round or two.
-                    if unread is not None:
-                        unread.synchronize()
-                    unread = self.runner.mark()
-                    made = [m + todo for m in made]
-                    rounds += 1
-                    decode_s += time.perf_counter() - admitted_at
-                    continue
-                done, made = self.runner.read(len(rows))
+                pending = []
+                if can_stop:
+                    done, made = self.runner.read(len(rows))
+                    stopped = self._stop_strings(rows, made, done, sampling_.stop) if sampling_.stop else {}
+                    finished = [k for k in range(len(rows)) if done[k] or k in stopped]
+                else:
+                    # Nothing but its length limit ends a row, so the host knows which rows these
+                    # steps finish without reading anything: their outputs are queued to be copied
+                    # out after the steps, and waited for only when they are handed back.
+                    stopped, made = {}, [m + todo for m in made]
+                    finished = [k for k, m in enumerate(made) if m >= sampling_.max_new_tokens]
+                    if not finished:
+                        # None finishes: the rows' outputs so far are copied out after these steps
+                        # and turned into lists while the next ones run, which waits for this
+                        # round only then (the device runs on, and a cancel is still seen within
+                        # a round or two), and leaves less to do when the rows finish.
+                        pending.append(self._outputs_so_far(rows, made))
+                        rounds += 1
+                        decode_s += time.perf_counter() - admitted_at
+                        continue
                 read_at = time.perf_counter()
                 decode_s += read_at - admitted_at
-                stopped = self._stop_strings(rows, made, done, sampling_.stop) if sampling_.stop else {}
-                finished = [k for k in range(len(rows)) if done[k] or k in stopped]
                 if finished:
-                    retiring = self._retire(rows, finished, made, stopped, stop_ids, results, n)
+                    pending.append(self._retire(rows, finished, made, stopped, stop_ids, results, n))
                     finished_set = set(finished)
                     keep = [k for k in range(len(rows)) if k not in finished_set]
                     self.runner.keep(keep)
@@ -143,8 +161,10 @@ class Scheduler:
                     made = [made[k] for k in keep]
                 rounds += 1
                 host_s += time.perf_counter() - read_at
-            if retiring is not None:
-                host_s += _timed(retiring)
+            for work in pending:
+                spent, waited = _timed(work)
+                host_s += spent - waited
+                decode_s += waited
         finally:
             for row in rows:  # an error or a cancel mid-call: give every block back
                 self.cache.allocator.free(row.blocks)
@@ -169,12 +189,11 @@ class Scheduler:
         free = self.runner.capacity - len(rows)
         if rows and waiting and free < min(self.runner.capacity // 4, sum(len(w.samples) for w in waiting)):
             return 0  # a prefill costs a forward however few rows it starts: wait for a quarter of the slots
-        prompts, tables, new_rows, new = [], [], [], []
-        copies_src, copies_dst = [], []
-        tokens = 0
+        prompts, tables, plan = [], [], []
+        tokens = taken = 0
         while waiting:
             item = waiting[0]
-            free_slots = self.runner.capacity - len(rows) - len(new)
+            free_slots = self.runner.capacity - len(rows) - taken
             count = min(len(item.samples), free_slots)
             if count == 0 or (prompts and tokens + len(item.prompt_ids) > self.max_prefill_tokens):
                 break
@@ -183,7 +202,7 @@ class Scheduler:
             per_row = self.cache.shape.blocks_for(length + max_new)
             need = shared + count * (per_row - shared)
             if need > allocator.num_free:
-                if rows or new:
+                if rows or plan:
                     break  # wait for rows to finish
                 if shared + per_row - shared > allocator.num_blocks - 1:
                     raise PromptTooLong(
@@ -192,33 +211,51 @@ class Scheduler:
                 count = max(1, min(count, (allocator.num_free - shared) // max(1, per_row - shared)))
                 need = shared + count * (per_row - shared)
             blocks = allocator.allocate(need)  # in one call: the shared blocks, then each sample's own
-            shared_blocks = blocks[:shared]
             for _ in range(count - 1):
-                allocator.share(shared_blocks)
-            group = len(prompts)
-            own_count = per_row - shared
-            first_own = blocks[shared]
-            for i, j in enumerate(item.samples[:count]):
-                own = blocks[shared + i * own_count : shared + (i + 1) * own_count]
-                table = shared_blocks + own
-                if i == 0:
-                    prompts.append(item.prompt_ids)
-                    tables.append(table)
-                elif length % bs:  # the prompt's last, partly filled block: each sample its own copy
-                    copies_src.append(first_own)
-                    copies_dst.append(own[0])
-                new.append(_Row(item.prompt_index, j, item.prompt_ids, table))
-                new_rows.append(NewRow(table, length, sampling.row_key(seed, item.prompt_index, j), group))
+                allocator.share(blocks[:shared])
+            prompts.append(item.prompt_ids)
+            tables.append(blocks[:per_row])  # the first sample's: the shared blocks, then its own
+            plan.append((item, blocks, item.samples[:count], shared, per_row - shared))
             tokens += length
+            taken += count
             item.samples = item.samples[count:]
             if not item.samples:
                 waiting.popleft()
         if not prompts:
             return 0
-        self.runner.prefill(prompts, tables, new_rows, len(rows), mode)
+        # The prefill is queued first and the rows are made while it runs: the host's work per
+        # row (a sampling key, the row's records) would otherwise be time the device sits idle.
+        logits = self.runner.prefill(prompts, tables)
+        new, new_rows, copies_src, copies_dst = [], [], [], []
+        for group, (item, blocks, samples, shared, own_count) in enumerate(plan):
+            prompt_ids = list(item.prompt_ids)  # the results' own, whatever the caller does with theirs
+            shared_blocks = blocks[:shared]
+            partial = len(prompt_ids) % bs
+            for i, j in enumerate(samples):
+                table = shared_blocks + blocks[shared + i * own_count : shared + (i + 1) * own_count]
+                if i > 0 and partial:  # the prompt's last, partly filled block: each sample its own copy
+                    copies_src.append(blocks[shared])
+                    copies_dst.append(table[shared])
+                new.append(_Row(item.prompt_index, j, prompt_ids, table))
+                new_rows.append(NewRow(table, len(prompt_ids), sampling.row_key(seed, item.prompt_index, j), group))
+        self.runner.start(logits, new_rows, len(rows), mode)
         self.cache.copy_blocks(copies_src, copies_dst)
         rows.extend(new)
         return len(prompts)
+
+    def _outputs_so_far(self, rows: list[_Row], made: list[int]) -> Callable[[], float]:
+        """Copy the rows' outputs not yet on the host (up to `made`) out after the steps queued so
+        far; the returned function appends them to each row's lists, and says how many seconds it
+        waited for the copy."""
+        copied = self.runner.outputs_async(list(range(len(rows))), made, start=min(len(row.ids) for row in rows))
+        taken = list(rows)
+
+        def append() -> float:
+            waited = copied.wait()
+            copied.append_to([(row.ids, row.logprobs) for row in taken])
+            return waited
+
+        return append
 
     def _stop_strings(self, rows: list[_Row], made: list[int], done: list[bool], stops: tuple[str, ...]) -> dict[int, tuple[int, str]]:
         """Rows whose text now holds a stop string: row -> (tokens to keep, text cut after it).
@@ -245,21 +282,22 @@ class Scheduler:
         return hits
 
     def _retire(self, rows: list[_Row], finished: list[int], made: list[int], stopped: dict[int, tuple[int, str]],
-                stop_ids: set[int], results: list, n: int) -> Callable[[], None]:
+                stop_ids: set[int], results: list, n: int) -> Callable[[], float]:
         """Hand rows `finished` back: their outputs copied out (queued on the device before the
         rows are packed over) and their blocks freed now, for this round's admissions; the
         returned function turns the copies into `Generation`s in `results`, to be called while
-        the next decode steps run."""
+        the next decode steps run, and says how many seconds of that it waited for the copies."""
         lengths = [stopped[k][0] if k in stopped else made[k] for k in finished]
-        copied = self.runner.outputs_async(finished, lengths)
         done_rows = [rows[k] for k in finished]
+        copied = self.runner.outputs_async(finished, lengths, start=min(len(row.ids) for row in done_rows))
         self.cache.allocator.free([b for row in done_rows for b in row.blocks])  # one call, in the order of one a row
         for row in done_rows:
             row.blocks = []
         stops = [stopped.get(k) for k in finished]
 
-        def hand_back() -> None:
-            outputs = copied()
+        def hand_back() -> float:
+            waited = copied.wait()
+            outputs = copied.append_to([(row.ids, row.logprobs) for row in done_rows])
             plain = [i for i, stop in enumerate(stops) if stop is None]
             texts = dict(zip(plain, self.tokenizer.decode_batch([outputs[i][0] for i in plain]))) if plain else {}
             for i, (row, (ids, logprobs), stop) in enumerate(zip(done_rows, outputs, stops)):
@@ -267,11 +305,12 @@ class Scheduler:
                     text, reason = stop[1], "stop"
                 else:
                     text, reason = texts[i], "stop" if ids and ids[-1] in stop_ids else "length"
-                # With n = 1 a row's prompt list is its own (`run` copied the caller's) and nothing
+                # With n = 1 a row's prompt list is its own (`_admit` copied the caller's) and nothing
                 # else keeps it; the n samples of a prompt share theirs, so each result takes a copy.
                 prompt_ids = row.prompt_ids if n == 1 else list(row.prompt_ids)
                 results[row.prompt_index * n + row.sample_index] = Generation(
                     prompt_index=row.prompt_index, prompt_ids=prompt_ids, output_ids=ids, text=text,
                     logprobs=logprobs, finish_reason=reason)
+            return waited
 
         return hand_back
