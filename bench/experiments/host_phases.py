@@ -67,14 +67,14 @@ def wrap(core: GenerationCore, spans: list) -> None:
                 return result
             setattr(owner, name, wrapped)
     copied = getattr(runner_module, "CopiedOutputs", None)
-    for name in ("wait", "lists") if copied is not None else ():
+    for name in ("wait", "append_to") if copied is not None else ():
         method = getattr(copied, name)
 
         @functools.wraps(method)
-        def timed(self, _method=method, _name=f"copied.{name}"):
+        def timed(self, *args, _method=method, _name=f"copied.{name}"):
             started = time.perf_counter()
             try:
-                return _method(self)
+                return _method(self, *args)
             finally:
                 spans.append((_name, started, time.perf_counter()))
         setattr(copied, name, timed)
