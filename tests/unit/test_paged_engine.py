@@ -95,13 +95,14 @@ def test_a_cancelled_call_stops_and_gives_every_block_back():
 
 def test_with_nothing_to_stop_on_the_host_looks_only_when_a_row_reaches_its_limit():
     """Each host check is a device sync; rows that can only end at max_new_tokens need none
-    before the first gets there. The tokens are those of a call that looks after every step."""
+    before the first gets there: the host only takes their outputs so far LAST_ROUND_STEPS
+    before that. The tokens are those of a call that looks after every step."""
     model = _model()
     prompts = _prompts()
     plain = Sampling(temperature=1.0, max_new_tokens=30, seed=4, ignore_eos=True)
     core = _core(model, max_batch_size=2, check_every=1)
     quiet = core.generate(prompts, plain)
-    assert core.scheduler.last_stats.rounds == len(prompts) // 2  # one round per pair of rows
+    assert core.scheduler.last_stats.rounds == 2 * len(prompts) // 2  # per pair of rows: 21 steps, then 8
     checked = core.generate(prompts, Sampling(**{**plain.__dict__, "stop": ("never said",)}))
     assert core.scheduler.last_stats.rounds >= 29 * len(prompts) // 2
     assert [r.output_ids for r in quiet] == [r.output_ids for r in checked]

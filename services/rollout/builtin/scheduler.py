@@ -35,6 +35,10 @@ from services.rollout.types import Generation, Sampling
 
 
 MAX_UNCHECKED_STEPS = 64  # decode steps between host checks at most, when rows cannot stop early
+# When rows cannot stop early, the round before the first of them finishes ends this many steps
+# short of it: their outputs up to there become lists while those last steps run, so that few
+# are left to convert when the device is done (`Scheduler._outputs_so_far`).
+LAST_ROUND_STEPS = 8
 
 
 def _timed(hand_back: Callable[[], float]) -> tuple[float, float]:
@@ -146,7 +150,8 @@ class Scheduler:
                         # and turned into lists while the next ones run, which waits for this
                         # round only then (the device runs on, and a cancel is still seen within
                         # a round or two), and leaves less to do when the rows finish.
-                        pending.append(self._outputs_so_far(rows, made))
+                        if rows:
+                            pending.append(self._outputs_so_far(rows, made))
                         rounds += 1
                         decode_s += time.perf_counter() - admitted_at
                         continue
@@ -176,11 +181,13 @@ class Scheduler:
         to meet can only finish at its length limit, which the host knows: with none, it looks
         when the first row gets there (at most MAX_UNCHECKED_STEPS on, for a cancel to be seen,
         and that look reads nothing: `run` only waits for the round before), rather than every
-        `check_every` steps, each look a sync that leaves the device idle."""
+        `check_every` steps, each look a sync that leaves the device idle. The round before that
+        one stops LAST_ROUND_STEPS short of it."""
         left = [max_new - m for m in made]
         if can_stop:
             return min(self.check_every, max(left, default=0))
-        return min(MAX_UNCHECKED_STEPS, min((n for n in left if n > 0), default=0))
+        first = min((n for n in left if n > 0), default=0)
+        return min(MAX_UNCHECKED_STEPS, first if first <= LAST_ROUND_STEPS else max(1, first - LAST_ROUND_STEPS))
 
     def _admit(self, waiting: deque, rows: list[_Row], seed: int, max_new: int, mode: StepMode) -> int:
         """Prefill as many waiting prompts as slots, blocks and the prefill budget allow."""
