@@ -34,7 +34,6 @@ def apply(core, name: str) -> None:
     ops = core.ops
     for attr in ("rope_decode_attention", "linear", "silu_mul_linear", "add_rmsnorm"):
         ops.__dict__.pop(attr, None)  # back to the class's methods
-    ops.fuse_post_norm = False  # (the pieces measured as they were: the post-attention norm its own kernel)
     forward.F = F
     cls = type(ops)
     hidden = core.model.config.hidden_size
@@ -48,10 +47,9 @@ def apply(core, name: str) -> None:
             return _blank(x.shape[0], n, x) if skip else cls.linear(ops, x, weight, bias)
         ops.linear = linear
     elif name == "-silu":
-        ops.silu_mul_linear = lambda gate, up, weight, bias=None, row_scale=None: ops.linear(gate, weight, bias)
+        ops.silu_mul_linear = lambda gate, up, weight, bias=None: ops.linear(gate, weight, bias)
     elif name == "-down":
-        ops.silu_mul_linear = lambda gate, up, weight, bias=None, row_scale=None: _blank(gate.shape[0], weight.shape[0],
-                                                                                         gate)
+        ops.silu_mul_linear = lambda gate, up, weight, bias=None: _blank(gate.shape[0], weight.shape[0], gate)
     elif name == "-norms":
         ops.add_rmsnorm = lambda x, residual, weight, eps: (x, x)
     elif name == "-lm_head":

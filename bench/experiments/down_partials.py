@@ -162,8 +162,7 @@ class Patched:
         self._activated = None
         return TritonOps.linear(self.ops, x, weight, bias)
 
-    def silu_mul_linear(self, gate, up, weight, bias=None, row_scale=None):
-        assert row_scale is None, "run with TritonOps.fuse_post_norm off"
+    def silu_mul_linear(self, gate, up, weight, bias=None):
         act = None
         if self.glu and getattr(self, "_activated", None) == gate.data_ptr():
             act = gate  # the glu kernel wrote silu(gate) * up where gate's half is
@@ -236,7 +235,6 @@ def apply(core, name: str) -> None:
     ops = core.ops
     for attr in ("linear", "silu_mul_linear", "add_rmsnorm"):
         ops.__dict__.pop(attr, None)
-    ops.fuse_post_norm = False  # (as measured: the post-attention norm its own kernel)
     if name == "base":
         return
     patched = Patched(ops, *parse(name))

@@ -269,24 +269,3 @@ def test_finished_rows_are_handed_back_while_the_next_decode_runs_and_come_back_
     assert [(r.output_ids, r.text, r.finish_reason) for r in streamed] == [(r.output_ids, r.text, r.finish_reason)
                                                                           for r in whole]
     assert _free_blocks_all_back(core)
-
-
-def test_an_mlp_given_unnormalised_rows_and_their_rms_computes_what_it_computes_on_normalised_rows():
-    """The contract a backend may use to drop the post-attention norm's own kernel
-    (`TorchOps.linear_add_rmsnorm`): the gated MLP on norm_weight * (rows) with a `RowScale` of
-    their sums of squares, in parts, gives what it gives on the RMS-normalised rows."""
-    from services.rollout.builtin.ops import RowScale, TorchOps
-
-    ops, gen = TorchOps(), torch.Generator().manual_seed(0)
-    rows, hidden, inter, eps = 5, 64, 96, 1e-6
-    attended, o_w = torch.randn(rows, hidden, generator=gen), torch.randn(hidden, hidden, generator=gen) * 0.1
-    residual, norm_w = torch.randn(rows, hidden, generator=gen) * 20, 1 + 0.1 * torch.randn(hidden, generator=gen)
-    gate_up, down = torch.randn(2 * inter, hidden, generator=gen) * 0.1, torch.randn(hidden, inter, generator=gen) * 0.1
-    h, summed, scale = ops.linear_add_rmsnorm(attended, o_w, None, residual, norm_w, eps)
-    assert scale is None and torch.allclose(summed, attended @ o_w.T + residual)
-    want = ops.silu_mul_linear(*ops.linear(h, gate_up).chunk(2, dim=-1), down)
-    parts = torch.stack([(c * c).sum(dim=1) for c in summed.chunk(4, dim=1)], dim=1)  # [rows, 4]
-    gate, up = ops.linear(norm_w * summed, gate_up).chunk(2, dim=-1)
-    got = ops.silu_mul_linear(gate, up, down, None, RowScale(parts, hidden, eps))
-    assert torch.allclose(got, want, rtol=1e-5, atol=1e-6)
-    assert not torch.allclose(ops.silu_mul_linear(gate, up, down), want, rtol=1e-2)  # the scale is what makes it so

@@ -137,13 +137,12 @@ class PagedDecoder:
             attended = attend(index, q, k, v)
             if wanted is not None and index == last_layer:
                 attended, residual = attended[wanted], residual[wanted]
-            # (h may come not yet divided by its rows' RMS, `row_scale` then dividing the MLP's first product)
-            h, residual, row_scale = ops.linear_add_rmsnorm(attended, attn.o_proj.weight, attn.o_proj.bias, residual,
-                                                            layer.post_attention_layernorm.weight, eps)
+            x = ops.linear(attended, attn.o_proj.weight, attn.o_proj.bias)
+            h, residual = ops.add_rmsnorm(x, residual, layer.post_attention_layernorm.weight, eps)
             if self.fused is not None:
                 gate, up = ops.linear(h, self.fused[index].gate_up).chunk(2, dim=-1)
             else:
                 gate, up = mlp.gate_proj(h), mlp.up_proj(h)
-            x = ops.silu_mul_linear(gate, up, mlp.down_proj.weight, mlp.down_proj.bias, row_scale)
+            x = ops.silu_mul_linear(gate, up, mlp.down_proj.weight, mlp.down_proj.bias)
         h, _ = ops.add_rmsnorm(x, residual, self.model.model.norm.weight, eps)
         return h

@@ -13,9 +13,7 @@ each starts before the one before it ends (programmatic dependent launch, Hopper
   its own heads on the way (one kernel a layer fewer, the new token's slot found through the
   block table), reading what earlier kernels wrote (the first tile of cached keys and values)
   before it waits for the q/k/v product;
-- `silu_mul`: the gated MLP's activation (dividing by the rows' RMS first where the product
-  before the MLP left it, `linear_add_rmsnorm`: the post-attention norm inside the attention's
-  output product and the SiLU, no kernel of its own);
+- `silu_mul`: the gated MLP's activation;
 - `skinny_linear`: a small batch's attention products, their weights fetched into L2 while the
   kernel before still runs; `tile_linear` the same products for larger batches, in plain tiles;
 - `sample`: logsumexp, the seeded draw's sums and the chosen token's logprob in one read of the
@@ -36,7 +34,7 @@ from services.rollout.builtin import sampling
 from services.rollout.builtin.attention_kernels import _decode_attention_kernel, _qk_rope_cache_kernel
 from services.rollout.builtin.linear_kernels import (SKINNY_BLOCK_M, SKINNY_MAX_BLOCK_M, _skinny_linear_kernel,
                                                      _tile_linear_kernel)
-from services.rollout.builtin.ops import RowScale, TorchOps
+from services.rollout.builtin.ops import TorchOps
 from services.rollout.builtin.pointwise_kernels import _add_rmsnorm_kernel, _silu_mul_kernel
 from services.rollout.builtin.prefill_attention import prefill_attention
 from services.rollout.builtin.sampling_kernels import (_sample_chunk_kernel, _sample_merge_kernel,
@@ -112,10 +110,6 @@ class TritonOps(TorchOps):
     # tokens even (0.5B 50.9 -> 50.7, 1.5B 147.3 -> 148.5); 64 of 512: 0.5B 50.6 -> 52.0, 1.5B
     # 149.9 -> 153.9 (bench/experiments/prefill_ab.py, bench/results/prefill_ab-experiment-*).
     prefill_kernel_max_len = 64
-    # The residual add and RMSNorm after the attention's output product done by that product
-    # where it runs on the tile kernel, the RMS applied by the MLP's SiLU (`linear_add_rmsnorm`).
-    fuse_post_norm = True
-    post_norm_dtypes = (torch.bfloat16,)
 
     # Warps a program of the norm (a row), the sampling chunk kernel (sampling.CHUNK tokens) and
     # the SiLU (1024 columns). H200, 0.5B decode step (bench/experiments/knob_step.py,
@@ -244,9 +238,7 @@ class TritonOps(TorchOps):
             return self._tile_linear(x, weight, bias)
         return super().linear(x, weight, bias)
 
-    def silu_mul_linear(self, gate, up, weight, bias=None, row_scale=None):
-        if row_scale is not None:
-            return self.linear(self.silu_mul(gate, up, row_scale), weight, bias)
+    def silu_mul_linear(self, gate, up, weight, bias=None):
         # gate and up are the halves of one [T, 2 I] product (`forward.fuse_projections`)
         halves = (up.data_ptr() - gate.data_ptr() == gate.shape[1] * gate.element_size()
                   and gate.stride() == up.stride() and gate.stride(1) == 1)
@@ -266,36 +258,17 @@ class TritonOps(TorchOps):
                 and weight.numel() * weight.element_size() <= limit and k % self.tile_block[2] == 0
                 and weight.dtype == x.dtype and weight.is_contiguous() and x.stride(1) == 1)
 
-    def _tile_linear(self, x, weight, bias, norm=None):
-        """x @ weight^T (+ bias) on `_tile_linear_kernel`; with `norm` (residual, norm_weight), the
-        residual add and the RMSNorm's parts too (`linear_add_rmsnorm`): (out, summed, parts)."""
+    def _tile_linear(self, x, weight, bias):
         rows, k = x.shape
         n = weight.shape[0]
         block_m, block_n, block_k = self.tile_block
         out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
-        residual, norm_weight, summed, parts = out, weight, out, out  # (pointers the kernel then does not read)
-        if norm is not None:
-            residual, norm_weight = norm
-            summed = torch.empty_like(out)
-            parts = torch.empty(rows, triton.cdiv(n, block_n), dtype=torch.float32, device=x.device)
         _tile_linear_kernel[(triton.cdiv(rows, block_m) * triton.cdiv(n, block_n),)](
-            x, weight, bias if bias is not None else weight, out, rows, n, k, x.stride(0), out.stride(0), residual,
-            summed, norm_weight, parts, residual.stride(0), HAS_BIAS=bias is not None, NORM=norm is not None,
-            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, LINES=triton.next_power_of_2(triton.cdiv(k, 64)),
-            num_warps=self.tile_warps, num_stages=self.tile_stages, launch_pdl=self.pdl)
-        return (out, summed, parts) if norm is not None else out
-
-    def linear_add_rmsnorm(self, x, weight, bias, residual, norm_weight, eps):
-        # Where the output product runs on the tile kernel, its programs add the residual and
-        # sum their columns' squares, and the gated MLP's SiLU divides by the RMS: no norm kernel
-        # of its own. bf16 only: the rows are not divided by their RMS before the MLP's first
-        # product, whose outputs grow with it, past what float16 holds for large residuals.
-        if not (self.fuse_post_norm and residual is not None and x.dtype in self.post_norm_dtypes
-                and self._tiled(x, weight) and residual.shape == (x.shape[0], weight.shape[0])
-                and residual.stride(1) == 1 and residual.dtype == x.dtype):
-            return super().linear_add_rmsnorm(x, weight, bias, residual, norm_weight, eps)
-        out, summed, parts = self._tile_linear(x, weight, bias, norm=(residual, norm_weight))
-        return out, summed, RowScale(parts, weight.shape[0], eps)
+            x, weight, bias if bias is not None else weight, out, rows, n, k, x.stride(0), out.stride(0),
+            HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+            LINES=triton.next_power_of_2(triton.cdiv(k, 64)), num_warps=self.tile_warps, num_stages=self.tile_stages,
+            launch_pdl=self.pdl)
+        return out
 
     def _skinny_linear(self, x, weight, bias, silu: bool):
         rows, k = x.shape
@@ -319,15 +292,11 @@ class TritonOps(TorchOps):
             num_warps=self.skinny_warps, num_stages=self.skinny_stages, launch_pdl=self.pdl)
         return out
 
-    def silu_mul(self, gate, up, row_scale=None):
+    def silu_mul(self, gate, up):
         rows, cols = gate.shape
         out = torch.empty(rows, cols, dtype=gate.dtype, device=gate.device)
         block = 1024
-        parts, n_parts, size, eps = (out, 1, 1, 0.0) if row_scale is None else (
-            row_scale.parts, row_scale.parts.shape[1], row_scale.size, row_scale.eps)
-        _silu_mul_kernel[(rows, triton.cdiv(cols, block))](gate, up, out, cols, gate.stride(0), up.stride(0), parts,
-                                                          n_parts, size, eps, SCALE=row_scale is not None,
-                                                          PARTS_PAD=max(2, triton.next_power_of_2(n_parts)),
+        _silu_mul_kernel[(rows, triton.cdiv(cols, block))](gate, up, out, cols, gate.stride(0), up.stride(0),
                                                           BLOCK=block, num_warps=self.silu_warps,
                                                           launch_pdl=self.pdl)
         return out

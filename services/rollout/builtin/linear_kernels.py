@@ -102,8 +102,7 @@ def _skinny_linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, count_ptr, row
 
 
 @triton.jit
-def _tile_linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, rows, n, k, stride_x, stride_out, res_ptr, res_out_ptr,
-                        norm_w_ptr, parts_ptr, stride_res, HAS_BIAS: tl.constexpr, NORM: tl.constexpr,
+def _tile_linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, rows, n, k, stride_x, stride_out, HAS_BIAS: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, LINES: tl.constexpr):
     """out [rows, n] = x [rows, k] @ w [n, k]^T (+ bias) in BLOCK_M x BLOCK_N output tiles, one
     program a tile (k a multiple of BLOCK_K), the tiles of one weight block adjacent in launch
@@ -111,13 +110,7 @@ def _tile_linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, rows, n, k, stride_x, stri
 
     Launched with PDL, the program starts while the kernel before it (x's writer) still runs,
     and asks L2 for its weight lines (a block's programs take every m_tiles-th 128-byte line
-    each) before it waits for that kernel.
-
-    With NORM (the attention's output product and the residual add and RMSNorm after it,
-    `TritonOps.linear_add_rmsnorm`): the product, rounded, plus the residual [rows, n] is
-    written to res_out, norm_w times that to out, and the sum of its squares over the tile's
-    columns, float32, to parts [rows, column tiles]: what the RMS is made of, summed later in a
-    fixed order (no atomics, the same bits every run)."""
+    each) before it waits for that kernel."""
     pid = tl.program_id(0)
     m_tiles = tl.cdiv(rows, BLOCK_M)
     m = (pid % m_tiles) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -142,16 +135,5 @@ def _tile_linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, rows, n, k, stride_x, stri
         w_ptrs += BLOCK_K
     if HAS_BIAS:
         acc += tl.load(b_ptr + cols, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    dtype = out_ptr.dtype.element_ty
-    mask = m_ok[:, None] & n_ok[None, :]
-    if NORM:
-        # rounded where `add_rmsnorm` rounds: the product to the dtype, then the sum
-        res = tl.load(res_ptr + m[:, None] * stride_res + cols[None, :], mask=mask, other=0.0)
-        summed = (res.to(tl.float32) + acc.to(dtype).to(tl.float32)).to(dtype)
-        tl.store(res_out_ptr + m[:, None] * stride_out + cols[None, :], summed, mask=mask)
-        hf = summed.to(tl.float32)
-        norm_w = tl.load(norm_w_ptr + cols, mask=n_ok, other=0.0).to(tl.float32)
-        tl.store(out_ptr + m[:, None] * stride_out + cols[None, :], (norm_w[None, :] * hf).to(dtype), mask=mask)
-        tl.store(parts_ptr + m * tl.cdiv(n, BLOCK_N) + pid // m_tiles, tl.sum(hf * hf, axis=1), mask=m_ok)
-    else:
-        tl.store(out_ptr + m[:, None] * stride_out + cols[None, :], acc.to(dtype), mask=mask)
+    tl.store(out_ptr + m[:, None] * stride_out + cols[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=m_ok[:, None] & n_ok[None, :])

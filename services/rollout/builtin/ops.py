@@ -10,27 +10,11 @@ Hkv key/value heads, D head dim.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 
 from services.rollout.builtin import sampling
 from services.rollout.builtin.state import RowState
-
-
-@dataclass(frozen=True)
-class RowScale:
-    """Rows' RMS normalisation left for later (`TorchOps.linear_add_rmsnorm`): float32 sums of
-    squares [rows, parts] of each row's `size` values in parts, summed in a fixed order."""
-
-    parts: torch.Tensor
-    size: int
-    eps: float
-
-    def rstd(self) -> torch.Tensor:
-        """float32 [rows]: 1 / sqrt(mean square + eps), as RMSNorm divides by."""
-        return torch.rsqrt(self.parts.sum(dim=1) / self.size + self.eps)
 
 
 def rope_table(head_dim: int, theta: float, max_positions: int, device: torch.device) -> torch.Tensor:
@@ -135,25 +119,10 @@ class TorchOps:
         """x [T, K] times weight [N, K] transposed, plus bias [N]: [T, N], as `nn.Linear`."""
         return F.linear(x, weight, bias)
 
-    def linear_add_rmsnorm(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                           residual: torch.Tensor, norm_weight: torch.Tensor,
-                           eps: float) -> tuple[torch.Tensor, torch.Tensor, RowScale | None]:
-        """The attention's output product and the residual add and RMSNorm after it:
-        (RMSNorm(linear(x) + residual), linear(x) + residual, None). A backend may instead return
-        norm_weight * (linear(x) + residual), not yet divided by each row's RMS, and a `RowScale`
-        for `silu_mul_linear` to divide the gated MLP's first product by (that product is linear
-        in each row), so that no kernel of its own normalises the rows."""
-        h, summed = self.add_rmsnorm(self.linear(x, weight, bias), residual, norm_weight, eps)
-        return h, summed, None
-
     def silu_mul_linear(self, gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor,
-                        bias: torch.Tensor | None = None, row_scale: RowScale | None = None) -> torch.Tensor:
+                        bias: torch.Tensor | None = None) -> torch.Tensor:
         """The gated MLP's down product: linear(silu(gate) * up), the activation rounded to the
-        model's dtype first, as the decoder does; with `row_scale`, gate and up are first divided
-        by their rows' RMS (`linear_add_rmsnorm`), rounded to their dtype."""
-        if row_scale is not None:
-            rstd = row_scale.rstd()[:, None]
-            gate, up = (gate.float() * rstd).to(gate.dtype), (up.float() * rstd).to(up.dtype)
+        model's dtype first, as the decoder does."""
         return self.linear(self.silu_mul(gate, up), weight, bias)
 
     def sample(self, logits: torch.Tensor, keys: torch.Tensor, steps: torch.Tensor, inv_temperature: torch.Tensor,

@@ -39,11 +39,7 @@ def _silu_times(gate, up):
 
 
 @triton.jit
-def _silu_mul_kernel(gate_ptr, up_ptr, out_ptr, n_cols, stride_gate, stride_up, parts_ptr, n_parts, size, eps,
-                     SCALE: tl.constexpr, PARTS_PAD: tl.constexpr, BLOCK: tl.constexpr):
-    """silu(gate) * up of one row's BLOCK columns. With SCALE, gate and up are first divided by
-    the row's RMS, from the float32 sums of squares parts [rows, n_parts] of its `size` values
-    (`TritonOps.linear_add_rmsnorm`), and rounded to their dtype."""
+def _silu_mul_kernel(gate_ptr, up_ptr, out_ptr, n_cols, stride_gate, stride_up, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -51,10 +47,4 @@ def _silu_mul_kernel(gate_ptr, up_ptr, out_ptr, n_cols, stride_gate, stride_up, 
     tl.extra.cuda.gdc_launch_dependents()
     gate = tl.load(gate_ptr + row * stride_gate + cols, mask=mask, other=0.0)
     up = tl.load(up_ptr + row * stride_up + cols, mask=mask, other=0.0)
-    if SCALE:
-        p = tl.arange(0, PARTS_PAD)
-        squares = tl.sum(tl.load(parts_ptr + row * n_parts + p, mask=p < n_parts, other=0.0), axis=0)
-        rstd = 1.0 / tl.sqrt(squares / size + eps)
-        gate = (gate.to(tl.float32) * rstd).to(gate.dtype)
-        up = (up.to(tl.float32) * rstd).to(up.dtype)
     tl.store(out_ptr + row * n_cols + cols, _silu_times(gate, up), mask=mask)
