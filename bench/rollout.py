@@ -9,7 +9,9 @@ Prints JSON lines and, with --png, plots them.
   and 256, on the 0.5B and 1.5B Qwen2 shapes (hidden 896 / 1536, tied 151936-token vocabulary);
   tokens/s counts generated tokens over the whole call (prefill included); `decode_ms` is one
   decode step, from the same call with 1 and 128 new tokens. `split_ms` says where a step's GPU
-  time goes (matrix products, attention, the small kernels, sampling), from one profiled step.
+  time goes (matrix products, attention, the small kernels, sampling), from one profiled step;
+  `idle_ms` where the 128-token call leaves the device idle (before its first kernel, between
+  kernels, after its last until the call returns: the host's share), from a CUDA-only trace.
 - `rl`: 256 prompts x n=8, prompts of 64-512 tokens, up to 1024 new tokens. Random weights
   never say eos, so 1/300 of the vocabulary are stop tokens: lengths are geometric with mean
   ~300, 3% reach 1024. Timed on the second call (the first, `first_call_s`, compiles kernels
@@ -156,12 +158,77 @@ def sweep(shape: str, batches: list[int], device: str, bandwidth: float, args) -
     for line, prompts in timed_lines:
         if device != "cpu" and args.profile:
             line["split_ms"] = step_split(core, prompts)
+            try:
+                line["idle_ms"] = device_idle(core, prompts, new)
+            except Exception as exc:  # a trace this torch cannot give loses that field, not the sweep
+                print(f"# idle_ms left out: {exc!r}", file=sys.stderr, flush=True)
         emit(line, args.out)
         lines.append(line)
     core = model = None  # (not del: the timing lambdas above name them)
     if device != "cpu":
         torch.cuda.empty_cache()
     return lines
+
+
+# Kernel kinds by name (the first that matches): attention before products, since cuDNN's SDPA
+# kernels carry "sm90_" as cuBLAS's do.
+KERNEL_KINDS = (
+    ("attention", ("attention", "flash", "sdpa", "decode_split", "decode_merge")),
+    ("matmul", ("gemm", "gemv", "cutlass", "sm90_", "matmul", "splitk", "skinny_linear", "tile_linear")),
+    ("sampling", ("sample",)),
+    ("norm_rope_silu", ("rmsnorm", "rope", "silu")),
+)
+
+
+def kernel_kind(name: str) -> str:
+    """Which of `split_ms`'s kinds a kernel's time goes to ("other" for none)."""
+    name = name.lower()
+    return next((kind for kind, keys in KERNEL_KINDS if any(key in name for key in keys)), "other")
+
+
+def idle_split(activity: list[tuple[float, float]], call_us: float) -> dict[str, float]:
+    """Device idle time of a call (ms) from its GPU activity [(start, end) us], the first entry
+    the marker launched as the call started (the device idle, so it ran then): before the first
+    kernel after it, between kernels, and after the last one until the call returned at call_us
+    (on the marker's clock: its start is 0)."""
+    origin = activity[0][0]
+    spans = sorted((a - origin, b - origin) for a, b in activity[1:])
+    busy = between = 0.0
+    cursor = activity[0][1] - origin
+    first = spans[0][0] - cursor if spans else call_us - cursor
+    for index, (a, b) in enumerate(spans):
+        if index and a > cursor:
+            between += a - cursor
+        busy += max(0.0, b - max(a, cursor))
+        cursor = max(cursor, b)
+    return {"busy": round(busy / 1e3, 3), "before_first_kernel": round(max(0.0, first) / 1e3, 3),
+            "between_kernels": round(between / 1e3, 3), "after_last_kernel": round(max(0.0, call_us - cursor) / 1e3, 3)}
+
+
+def device_idle(core: GenerationCore, prompts: list[list[int]], new_tokens: int) -> dict[str, float]:
+    """`idle_split` of one call, from a CUDA-only trace (no host ops traced, so the host runs as
+    it does unprofiled). A 1-element fill launched as the call starts, while the device is idle,
+    puts the host's clock and the trace's on one line."""
+    import json
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, profile
+
+    sampling = Sampling(temperature=1.0, max_new_tokens=new_tokens, ignore_eos=True, seed=1)
+    marker = torch.zeros(1, device="cuda")
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        started = time.perf_counter()
+        marker.fill_(1.0)
+        core.generate(prompts, sampling)
+        returned = time.perf_counter()
+        torch.cuda.synchronize()
+    with tempfile.NamedTemporaryFile(suffix=".json") as trace:
+        prof.export_chrome_trace(trace.name)
+        events = json.load(open(trace.name))["traceEvents"]
+    activity = sorted((e["ts"], e["ts"] + e["dur"]) for e in events
+                      if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"))
+    return idle_split(activity, (returned - started) * 1e6)
 
 
 def step_split(core: GenerationCore, prompts: list[list[int]]) -> dict:
@@ -179,17 +246,7 @@ def step_split(core: GenerationCore, prompts: list[list[int]]) -> dict:
             us = getattr(event, "device_time_total", 0.0) or getattr(event, "cuda_time_total", 0.0)
             if event.device_type.name != "CUDA" or not us:
                 continue
-            name = event.key.lower()
-            if any(k in name for k in ("gemm", "gemv", "cutlass", "sm90_", "matmul", "splitk", "skinny_linear")):
-                out["matmul"] += us
-            elif "decode_split" in name or "decode_merge" in name or "flash" in name or "attention" in name:
-                out["attention"] += us
-            elif "sample" in name:
-                out["sampling"] += us
-            elif "rmsnorm" in name or "rope" in name or "silu" in name:
-                out["norm_rope_silu"] += us
-            else:
-                out["other"] += us
+            out[kernel_kind(event.key)] += us
         return out
 
     runner = core.runner
