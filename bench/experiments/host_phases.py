@@ -33,7 +33,7 @@ from services.rollout.types import Sampling  # noqa: E402
 
 GPU_KINDS = {"kernel", "gpu_memcpy", "gpu_memset"}
 PHASES = {"runner": ("begin", "prefill", "start", "_prefill_logits", "_record", "decode", "read", "outputs_async",
-                     "keep", "mark"),
+                     "keep", "mark"),  # (phases a version lacks are left out: "mark" is 2e8ab2e's)
           "scheduler": ("_admit", "_retire")}
 MARK = 0.25  # the value the marker fill writes
 

@@ -321,14 +321,6 @@ class ModelRunner:
         both = _lists(torch.stack((r.done[:num_rows].int(), r.num_made[:num_rows])))
         return [bool(d) for d in both[0]], both[1]
 
-    def mark(self) -> torch.cuda.Event | None:
-        """An event at the end of the work queued so far (None on a CPU, where it is all done)."""
-        if self.device.type != "cuda":
-            return None
-        event = torch.cuda.Event()
-        event.record()
-        return event
-
     def outputs_async(self, slots: list[int], lengths: list[int], start: int = 0) -> CopiedOutputs:
         """The tokens and logprobs of rows `slots` from column `start` up to their `lengths`,
         copied out now in stream order (before anything queued later moves the rows), into pinned
