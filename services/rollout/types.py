@@ -78,8 +78,9 @@ def validate_prompts(prompts_ids: list[list[int]], sampling: Sampling, vocab_siz
 
 def _plainly_valid(prompts_ids: list[list[int]], sampling: Sampling, vocab_size: int, max_positions: int) -> bool:
     """Every prompt non-empty, its ids integers in [0, vocab_size), within the positions: checked
-    in one pass through an int64 array (0.05 against 0.5 ms for 256 prompts of 64 tokens, time
-    before the device gets any work), False to let `_find_invalid` name the prompt."""
+    in one pass through an int64 array (0.2 against 0.7 ms for 256 prompts of 64 tokens on a
+    2-core host, time before the device gets any work), False to let `_find_invalid` name the
+    prompt."""
     if not prompts_ids:
         return True
     flat = array.array("q")
