@@ -28,8 +28,10 @@ Prints JSON lines and, with --png, plots them.
 from __future__ import annotations
 
 import argparse
+import json
 import random
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -209,9 +211,6 @@ def device_idle(core: GenerationCore, prompts: list[list[int]], new_tokens: int)
     """`idle_split` of one call, from a CUDA-only trace (no host ops traced, so the host runs as
     it does unprofiled). A 1-element fill launched as the call starts, while the device is idle,
     puts the host's clock and the trace's on one line."""
-    import json
-    import tempfile
-
     from torch.profiler import ProfilerActivity, profile
 
     sampling = Sampling(temperature=1.0, max_new_tokens=new_tokens, ignore_eos=True, seed=1)
