@@ -215,6 +215,65 @@ def test_kernel_draws_match_the_reference_and_take_neither_end_for_an_extreme_u(
     assert bool(((counts - draws * p).abs() <= 5 * (draws * p * (1 - p)).sqrt() + 1e-9).all())
 
 
+@pytest.mark.parametrize("rows", [17, 64, 256])
+def test_tuned_products_give_f_linear_bits_eagerly_and_replayed(rows):
+    """The decode step's cuBLAS products on the cuBLASLt algorithm `cublaslt.choose` picks (any
+    gain accepted here, so that a choice is made): the MLP's gate/up and down, a product with a
+    bias, and the output embedding. Each gives F.linear's bits, eagerly and replayed in a graph;
+    the gate/up product (where the H200 has faster candidates) is really on one."""
+    import torch.nn.functional as F
+
+    from services.rollout.builtin.kernels import TritonOps
+
+    tri = TritonOps()
+    tri.tune_min_gain = -1.0  # take the fastest candidate with F.linear's bits, faster or not
+    gen = torch.Generator(device="cuda").manual_seed(3)
+
+    def rnd(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=gen, device="cuda") * scale).to(torch.bfloat16)
+
+    products = [(rnd(rows, 896), rnd(2 * 4864, 896, scale=0.05), None),  # gate/up
+                (rnd(rows, 4864), rnd(896, 4864, scale=0.02), None),  # down
+                (rnd(rows, 1536), rnd(2048, 1536, scale=0.05), rnd(2048)),  # q/k/v of the 1.5B shape
+                (rnd(rows, 896), rnd(32768, 896, scale=0.05), None)]  # an output embedding
+    for x, w, b in products:
+        assert torch.equal(tri.linear(x, w, b), F.linear(x, w, b))
+    assert tri._products[(x.device, x.dtype, rows, 2 * 4864, 896, 896, False)] is not None
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = [tri.linear(x, w, b) for x, w, b in products]
+    for x, w, b in products:
+        x.copy_(torch.randn(x.shape, generator=gen, device="cuda"))  # new inputs, as the next step's
+    graph.replay()
+    for out, (x, w, b) in zip(outs, products):
+        assert torch.equal(out, F.linear(x, w, b))
+
+
+def test_tuned_products_leave_every_token_and_logprob_as_it_was():
+    """An engine whose products are on cuBLASLt's chosen algorithms against one on F.linear's:
+    the same tokens and logprobs, bit for bit, sampled at a batch where the step's products
+    are tuned (27 rows: bucket 32), on a model wide enough for cuBLAS's large-product kernels."""
+    from services.models import DecoderLM, ModelConfig, init_weights
+
+    config = ModelConfig(architecture="qwen2", vocab_size=TOKENIZER.vocab_size, hidden_size=512,
+                         intermediate_size=2048, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2,
+                         head_dim=64, max_position_embeddings=64)
+    model = DecoderLM(config)
+    init_weights(model, seed=0)
+    model = model.to(torch.bfloat16).cuda()
+    prompts = _prompts() * 3
+    sampled = Sampling(temperature=0.9, max_new_tokens=24, n=3, seed=11, ignore_eos=True)
+    outputs = []
+    for tune in (False, True):
+        core = GenerationCore(model, TOKENIZER, torch.device("cuda"), CoreSettings(max_batch_size=32))
+        core.ops.tune_products = tune
+        core.ops.tune_min_gain = -1.0
+        outputs.append(core.generate(prompts, sampled))
+        assert any(core.ops._products.values()) == tune
+    assert [r.output_ids for r in outputs[0]] == [r.output_ids for r in outputs[1]]
+    assert [r.logprobs for r in outputs[0]] == [r.logprobs for r in outputs[1]]
+
+
 def _fp32_model(arch: str = "qwen3"):
     # heads of 32: wide enough for the decode step's RoPE to run inside the attention kernel
     return _model(arch, dtype=torch.float32, head_dim=32).cuda()

@@ -78,7 +78,7 @@ class PagedDecoder:
                                                   v_cache, block_tables, bs, num_splits)
 
         hidden = self._layers(tokens, attend)  # [b, hidden]
-        return F.linear(hidden, self.model.output_weight)
+        return self.ops.output_linear(hidden, self.model.output_weight)
 
     def prefill(self, tokens: torch.Tensor, lengths: torch.Tensor, slots: torch.Tensor,
                 out: torch.Tensor | None = None) -> torch.Tensor:

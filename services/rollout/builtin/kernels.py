@@ -27,10 +27,11 @@ The kernels live by topic in `pointwise_kernels.py`, `attention_kernels.py`, `li
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 import triton
 
 from services import devices
-from services.rollout.builtin import sampling
+from services.rollout.builtin import cublaslt, sampling
 from services.rollout.builtin.attention_kernels import _decode_attention_kernel, _qk_rope_cache_kernel
 from services.rollout.builtin.linear_kernels import (SKINNY_BLOCK_M, SKINNY_MAX_BLOCK_M, _skinny_linear_kernel,
                                                      _tile_linear_kernel)
@@ -110,6 +111,17 @@ class TritonOps(TorchOps):
     # tokens even (0.5B 50.9 -> 50.7, 1.5B 147.3 -> 148.5); 64 of 512: 0.5B 50.6 -> 52.0, 1.5B
     # 149.9 -> 153.9 (bench/experiments/prefill_ab.py, bench/results/prefill_ab-experiment-*).
     prefill_kernel_max_len = 64
+    # The products left to cuBLAS with more than `skinny_rows` rows and at most
+    # `tune_max_rows` (the decode step's MLP and output embedding from batch 32 on, and the
+    # prefills captured as graphs) run on the fastest cuBLASLt algorithm that gives F.linear's
+    # bits, where it beats F.linear by `tune_min_gain` timed alone (`cublaslt.choose`, once per
+    # shape, at the eager run before a graph is captured). H200, against F.linear, in one process
+    # (bench/experiments/lt_step.py, bench/results/lt_step-experiment-*): 0.5B batch 256 step
+    # 1244/1261 -> 1225/1234 us and its 256 x 64 prefill (1-token call) 24.9 -> 23.0-23.5 ms,
+    # batch 64 856-859 -> 849-852; 1.5B batch 64 1625-1632 -> 1584-1592, batch 256 the same.
+    tune_products = True
+    tune_max_rows = 16384
+    tune_min_gain = 0.03
 
     # Warps a program of the norm (a row), the sampling chunk kernel (sampling.CHUNK tokens) and
     # the SiLU (1024 columns). H200, 0.5B decode step (bench/experiments/knob_step.py,
@@ -155,6 +167,7 @@ class TritonOps(TorchOps):
 
     def __init__(self, pdl: bool | None = None):
         self._counters: dict[tuple, torch.Tensor] = {}
+        self._products: dict[tuple, cublaslt.LtProduct | None] = {}  # `_cublas`' choices by shape
         # Programmatic dependent launch (Hopper on): the kernels that wait for their predecessor
         # with `gdc_wait` (norm, RoPE, attention, skinny products) are launched so that they may
         # start before it ends; captured graphs keep that. With cuBLAS products alone it took the
@@ -236,7 +249,27 @@ class TritonOps(TorchOps):
             return self._skinny_linear(x, weight, bias, silu=False)
         if self._tiled(x, weight):
             return self._tile_linear(x, weight, bias)
-        return super().linear(x, weight, bias)
+        return self._cublas(x, weight, bias)
+
+    def output_linear(self, x, weight):
+        return self._cublas(x, weight, None)
+
+    def _cublas(self, x, weight, bias):
+        """F.linear, or the same bits from a faster cuBLASLt algorithm (`tune_products`)."""
+        rows, k = x.shape
+        if not (self.tune_products and self.skinny_rows < rows <= self.tune_max_rows and x.is_cuda
+                and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype
+                and weight.is_contiguous() and x.stride(1) == 1 and (bias is None or bias.is_contiguous())):
+            return F.linear(x, weight, bias)
+        key = (x.device, x.dtype, rows, weight.shape[0], k, x.stride(0), bias is not None)
+        if key not in self._products:
+            if torch.cuda.is_current_stream_capturing():
+                return F.linear(x, weight, bias)  # chosen at the eager warm-up of the next capture
+            self._products[key] = cublaslt.choose(x, weight, bias, min_gain=self.tune_min_gain)
+        product = self._products[key]
+        if product is None:
+            return F.linear(x, weight, bias)
+        return product.run(x, weight, bias)
 
     def silu_mul_linear(self, gate, up, weight, bias=None):
         # gate and up are the halves of one [T, 2 I] product (`forward.fuse_projections`)

@@ -119,6 +119,10 @@ class TorchOps:
         """x [T, K] times weight [N, K] transposed, plus bias [N]: [T, N], as `nn.Linear`."""
         return F.linear(x, weight, bias)
 
+    def output_linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """The decode step's logits [b, V] from hidden states x [b, hidden] and the output embedding."""
+        return F.linear(x, weight)
+
     def silu_mul_linear(self, gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor,
                         bias: torch.Tensor | None = None) -> torch.Tensor:
         """The gated MLP's down product: linear(silu(gate) * up), the activation rounded to the
