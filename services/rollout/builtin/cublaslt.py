@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import time
 from dataclasses import dataclass
 
 import torch
@@ -201,6 +202,7 @@ def choose(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *,
     """An `LtProduct` for x's shape on the fastest candidate that gives F.linear's bits, or None
     when none beats F.linear by `min_gain` (a fraction of its time). Runs products on the
     current device: never while a graph is being captured."""
+    started = time.perf_counter()
     rows, k = x.shape
     n = weight.shape[0]
     product = LtProduct(rows, n, k, x.stride(0), x.dtype, bias is not None, x.device)
@@ -228,11 +230,12 @@ def choose(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *,
                    for c in same)
     best_us, _, best = timed[0]
     shape = f"{rows} x {n} x {k}{' + bias' if bias is not None else ''}"
+    spent = (time.perf_counter() - started) * 1e3
     if best_us > default_us * (1 - min_gain):
-        log.info("cuBLASLt %s: F.linear kept (%.1f us; the fastest of %d candidates with its bits %.1f)", shape,
-                 default_us, len(same), best_us)
+        log.info("cuBLASLt %s: F.linear kept (%.1f us; the fastest of %d candidates with its bits %.1f); tuned in "
+                 "%.0f ms", shape, default_us, len(same), best_us, spent)
         return None
     product.chosen = best
-    log.info("cuBLASLt %s: candidate #%d (tile %d, split-k %d), %.1f against F.linear's %.1f us", shape, best.index,
-             best.tile, best.splitk, best_us, default_us)
+    log.info("cuBLASLt %s: candidate #%d (tile %d, split-k %d), %.1f against F.linear's %.1f us; tuned in %.0f ms",
+             shape, best.index, best.tile, best.splitk, best_us, default_us, spent)
     return product

@@ -132,6 +132,7 @@ class TritonOps(TorchOps):
     norm_warps = 4
     sample_warps = 4
     silu_warps = 4
+    silu_block = 1024  # columns a SiLU program takes
 
     def add_rmsnorm(self, x, residual, weight, eps):
         rows, cols = x.shape
@@ -328,7 +329,7 @@ class TritonOps(TorchOps):
     def silu_mul(self, gate, up):
         rows, cols = gate.shape
         out = torch.empty(rows, cols, dtype=gate.dtype, device=gate.device)
-        block = 1024
+        block = self.silu_block
         _silu_mul_kernel[(rows, triton.cdiv(cols, block))](gate, up, out, cols, gate.stride(0), up.stride(0),
                                                           BLOCK=block, num_warps=self.silu_warps,
                                                           launch_pdl=self.pdl)
