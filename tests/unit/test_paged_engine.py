@@ -269,3 +269,54 @@ def test_finished_rows_are_handed_back_while_the_next_decode_runs_and_come_back_
     assert [(r.output_ids, r.text, r.finish_reason) for r in streamed] == [(r.output_ids, r.text, r.finish_reason)
                                                                           for r in whole]
     assert _free_blocks_all_back(core)
+
+
+def test_garbage_collections_run_while_steps_are_queued_never_in_an_admission_and_as_found_after(monkeypatch):
+    """Python's collector is off during a call (a collection in an admission or after the last
+    step leaves the device waiting), and runs what it owes where decode steps were just queued.
+    A caller's collector is on again after the call, off if the caller had turned it off, and
+    after an error too."""
+    import gc
+
+    core = _core(_model(), max_batch_size=3, check_every=1)
+    core.generate(_prompts() * 4, Sampling(max_new_tokens=6, seed=0))  # the pool and scheduler this call keeps
+    state = {"admitting": False, "collections": 0, "in_admission": 0}
+    real_admit, real_keep = core.scheduler._admit, core.runner.keep
+    kept = []  # objects the collector tracks, alive to the call's end: it owes collections over them
+
+    def admit(*args, **kwargs):
+        state["admitting"] = True
+        kept.extend([i] for i in range(1000))
+        try:
+            return real_admit(*args, **kwargs)
+        finally:
+            state["admitting"] = False
+
+    def keep(*args, **kwargs):
+        kept.extend([i] for i in range(1000))
+        return real_keep(*args, **kwargs)
+
+    def callback(phase, info):
+        if phase == "start":
+            state["collections"] += 1
+            state["in_admission"] += state["admitting"]
+
+    monkeypatch.setattr(core.scheduler, "_admit", admit)
+    monkeypatch.setattr(core.runner, "keep", keep)
+    gc.callbacks.append(callback)
+    try:
+        assert gc.isenabled()
+        results = core.generate(_prompts() * 4, Sampling(max_new_tokens=6, seed=1, stop_token_ids=(3,)))
+        assert gc.isenabled() and len(results) == 16
+        assert state["collections"] > 0 and state["in_admission"] == 0  # owed ones ran, none in an admission
+        kept.clear()
+        gc.disable()
+        core.generate(_prompts(), Sampling(max_new_tokens=6, seed=1))
+        assert not gc.isenabled()
+        gc.enable()
+        with pytest.raises(GenerationCancelled):
+            core.generate(_prompts() * 4, Sampling(max_new_tokens=6, seed=1), lambda: True)
+        assert gc.isenabled()
+    finally:
+        gc.callbacks.remove(callback)
+        gc.enable()
