@@ -1,14 +1,14 @@
-"""The decode step's cuBLAS products on a faster cuBLASLt algorithm that gives F.linear's bits.
+"""The engine's large cuBLAS products on a faster cuBLASLt algorithm that gives F.linear's bits.
 
 `F.linear` runs the first algorithm cuBLASLt's heuristic proposes. For the decode step's large
 products (the MLP's and the output embedding, a few hundred rows against 9-300 MB of weights)
-another of its candidates can finish sooner: at 0.5B, 256 rows, the gate/up product took 9.8
-against 10.9 us (`bench/experiments/lt_algos.py`, `bench/results/lt_algos-experiment-*`). A
-choice made by timing differs between runs and machines, so it is made only among candidates
-whose output equals F.linear's to the bit (checked on the call's own inputs and on random ones):
-whichever wins, every product, and so every token and logprob, is what F.linear gives, and a
-seed keeps giving the same samples after a restart. Candidates that split k differently (other
-sums) fail that check and are never taken.
+and a captured prefill's, another of its candidates can finish sooner: at 0.5B, 256 rows, the
+gate/up product took 9.8 against 10.9 us (`bench/experiments/lt_algos.py`,
+`bench/results/lt_algos-experiment-*`). A choice made by timing differs between runs and
+machines, so it is made only among candidates whose output equals F.linear's to the bit (checked
+on the call's own inputs and on random ones): whichever wins, every product, and so every token
+and logprob, is what F.linear gives, and a seed keeps giving the same samples after a restart.
+Candidates that split k differently (other sums) fail that check and are never taken.
 
 `choose` tunes one product shape: it times F.linear and every eligible candidate inside a CUDA
 graph, on copies of the weight together larger than L2 (as the step streams its weights), and

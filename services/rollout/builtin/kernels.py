@@ -26,6 +26,8 @@ The kernels live by topic in `pointwise_kernels.py`, `attention_kernels.py`, `li
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.nn.functional as F
 import triton
@@ -40,6 +42,8 @@ from services.rollout.builtin.pointwise_kernels import _add_rmsnorm_kernel, _sil
 from services.rollout.builtin.prefill_attention import prefill_attention
 from services.rollout.builtin.sampling_kernels import (_sample_chunk_kernel, _sample_merge_kernel,
                                                        _sample_record_kernel)
+
+log = logging.getLogger("rlfleet.rollout")
 
 
 class TritonOps(TorchOps):
@@ -266,7 +270,12 @@ class TritonOps(TorchOps):
         if key not in self._products:
             if torch.cuda.is_current_stream_capturing():
                 return F.linear(x, weight, bias)  # chosen at the eager warm-up of the next capture
-            self._products[key] = cublaslt.choose(x, weight, bias, min_gain=self.tune_min_gain)
+            try:
+                self._products[key] = cublaslt.choose(x, weight, bias, min_gain=self.tune_min_gain)
+            except (OSError, ImportError, AttributeError, RuntimeError) as exc:  # no usable cuBLASLt here
+                log.warning("cuBLASLt products off: tuning %s failed (%s); F.linear runs them", key[2:5], exc)
+                self.tune_products = False
+                return F.linear(x, weight, bias)
         product = self._products[key]
         if product is None:
             return F.linear(x, weight, bias)
