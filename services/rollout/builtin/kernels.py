@@ -116,7 +116,7 @@ class TritonOps(TorchOps):
     # 149.9 -> 153.9 (bench/experiments/prefill_ab.py, bench/results/prefill_ab-experiment-*).
     prefill_kernel_max_len = 64
     # The products left to cuBLAS with more than `skinny_rows` rows and at most
-    # `tune_max_rows` (the decode step's MLP and output embedding from batch 32 on, and the
+    # `tune_max_rows` (the decode step's MLP and output embedding past 16 rows, and the
     # prefills captured as graphs) run on the fastest cuBLASLt algorithm that gives F.linear's
     # bits, where it beats F.linear by `tune_min_gain` timed alone (`cublaslt.choose`, once per
     # shape, at the eager run before a graph is captured). H200, against F.linear, in one process
