@@ -21,6 +21,9 @@ longer give the same samples on a restart. `prefill`: for 256 prompts of 64 toke
 kernel (75 us a layer) is within 2 us of the others that take grouped heads as they are;
 memory-efficient attention takes 49 us but only on heads repeated to match, which costs its own
 copies. The prefill keeps cuDNN.
+
+Since session 23 the engine does take cuBLASLt's candidates, those that give F.linear's bits
+(`services/rollout/builtin/cublaslt.py`, whose binding `bench/experiments/cublaslt.py` now extends).
 """
 
 from __future__ import annotations
@@ -66,7 +69,7 @@ def graph_us(fn) -> float:
     return sorted(times)[2]
 
 
-def tune(lt: LtLinear, x, weights, bias, out, verbose=False):
+def tune(lt: LtLinear, x, weights, bias):
     """(default us, best us, best candidate, all [(us, candidate)])"""
     cands = lt.candidates(32)
     default = graph_us(lambda i: torch.addmm(bias, x, weights[i % len(weights)].t()) if bias is not None
@@ -74,7 +77,7 @@ def tune(lt: LtLinear, x, weights, bias, out, verbose=False):
     timed = []
     for c in cands:
         try:
-            timed.append((graph_us(lambda i, c=c: lt.run(x, weights[i % len(weights)], bias, out, c)), c))
+            timed.append((graph_us(lambda i, c=c: lt.run(x, weights[i % len(weights)], bias, c)), c))
         except RuntimeError as e:
             print(f"   candidate {c.index} failed: {e}", flush=True)
     timed.sort(key=lambda t: t[0])
@@ -93,16 +96,15 @@ def screen() -> None:
         bias = (torch.randn(n, generator=gen, device="cuda") * 0.02).to(torch.bfloat16) if has_bias else None
         for rows in (16, 64, 256):
             x = torch.randn(rows, k, generator=gen, device="cuda").to(torch.bfloat16)
-            out = torch.empty(rows, n, dtype=torch.bfloat16, device="cuda")
             lt = LtLinear(rows, n, k, torch.bfloat16, has_bias, x.device)
-            default, timed = tune(lt, x, weights, bias, out)
+            default, timed = tune(lt, x, weights, bias)
             if not timed:
                 print(f"{name:13s} b{rows:<4d} no candidates", flush=True)
                 continue
             best_us, best = timed[0]
             ref = F.linear(x, weights[0], bias)
-            a = lt.run(x, weights[0], bias, torch.empty_like(out), best).clone()
-            b = lt.run(x, weights[0], bias, torch.empty_like(out), best).clone()
+            a = lt.run(x, weights[0], bias, best)
+            b = lt.run(x, weights[0], bias, best)
             first = [t for t in timed if t[1].index == 0]
             print(f"{name:13s} b{rows:<4d} at bandwidth {n * k * 2 / bw / 1e6:5.1f} us  F.linear {default:6.1f}  "
                   f"lt[0] {first[0][0] if first else float('nan'):6.1f}  best {best_us:6.1f} (#{best.index} of "
@@ -155,8 +157,7 @@ def step(batches: list[int]) -> None:
                 lt = LtLinear(*key[:3], x.dtype, bias is not None, x.device)
                 copies = max(1, -(-(160 << 20) // (weight.numel() * 2)))
                 weights = [weight.clone() for _ in range(copies)]
-                out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
-                default, timed = tune(lt, x.clone(), weights, bias, out)
+                default, timed = tune(lt, x.clone(), weights, bias)
                 lt.chosen = timed[0][1] if timed and timed[0][0] < default else None
                 print(f"   tuned {key}: F.linear {default:.1f} us, best #{timed[0][1].index} {timed[0][0]:.1f} us"
                       f" {timed[0][1].config}", flush=True)
@@ -164,8 +165,7 @@ def step(batches: list[int]) -> None:
                 del weights
             if lt.chosen is None:
                 return super().linear(x, weight, bias)
-            out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
-            return lt.run(x, weight, bias, out)
+            return lt.run(x, weight, bias)
 
     base_ops, lt_ops = {}, {}
 

@@ -81,6 +81,7 @@ class Candidate:
     index: int  # its place in the heuristic's list
     algo: _Algo
     workspace: int
+    waves: float  # the heuristic's estimate of how many waves of the GPU's SMs it runs
     tile: int
     splitk: int
 
@@ -134,12 +135,13 @@ class LtProduct:
                                                       results, ctypes.byref(found)), "heuristic")
         finally:
             lib.cublasLtMatmulPreferenceDestroy(pref)
-        return [Candidate(i, results[i].algo, int(results[i].workspace_size), self._config(results[i].algo, _CONFIG_TILE),
-                          self._config(results[i].algo, _CONFIG_SPLITK))
+        return [Candidate(i, results[i].algo, int(results[i].workspace_size), float(results[i].waves),
+                          self.config(results[i].algo, _CONFIG_TILE), self.config(results[i].algo, _CONFIG_SPLITK))
                 for i in range(found.value) if results[i].state == 0]
 
     @staticmethod
-    def _config(algo: _Algo, attr: int) -> int:
+    def config(algo: _Algo, attr: int) -> int:
+        """An algorithm's configuration attribute `attr` (cublasLtMatmulAlgoConfigAttributes_t), -1 if unreadable."""
         value, size = ctypes.c_uint64(0), ctypes.c_size_t(0)
         lib = _library()
         if (lib.cublasLtMatmulAlgoConfigGetAttribute(ctypes.byref(algo), attr, None, 0, ctypes.byref(size)) == 0
