@@ -13,8 +13,15 @@ streaming read bandwidth of the same run for scale.
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import torch
 import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from services.rollout.builtin import cublaslt  # noqa: E402
 
 SHAPES = {  # name: (n_out, k)
     "0.5b qkv": (1152, 896), "0.5b o": (896, 896), "0.5b gate_up": (9728, 896), "0.5b down": (896, 4864),
@@ -24,25 +31,8 @@ CALLS = 20
 
 
 def graph_us(fn) -> float:
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(CALLS):
-            fn()
-    times = []
-    for _ in range(5):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / CALLS)
-    return sorted(times)[2]
+    """Microseconds a call of fn, CALLS of them back to back in a CUDA graph (the engine's timing)."""
+    return cublaslt.graph_us(lambda i: fn(), CALLS)
 
 
 def variant(name: str, x: torch.Tensor, w: torch.Tensor):

@@ -37,6 +37,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from bench.experiments.cublaslt import LtLinear  # noqa: E402
+from services.rollout.builtin import cublaslt  # noqa: E402
 
 SHAPES = {  # name: (n_out, k, bias)
     "0.5b qkv": (1152, 896, True), "0.5b o": (896, 896, False), "0.5b gate_up": (9728, 896, False),
@@ -48,25 +49,8 @@ CALLS = 20
 
 
 def graph_us(fn) -> float:
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for i in range(2):
-            fn(i)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(CALLS):
-            fn(i)
-    times = []
-    for _ in range(5):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / CALLS)
-    return sorted(times)[2]
+    """Microseconds a call of fn(i), CALLS of them back to back in a CUDA graph (the engine's timing)."""
+    return cublaslt.graph_us(fn, CALLS)
 
 
 def tune(lt: LtLinear, x, weights, bias):

@@ -46,9 +46,9 @@ def choose_unsplit(x, weight, bias, *, min_gain):
     wanted = lt.run(x, weight, bias, unsplit[0])
     same = [c for c in unsplit if torch.equal(lt.run(x, weight, bias, c), wanted)]
     copies = weight.expand(max(1, -(-cublaslt.TIMED_BYTES // (weight.numel() * 2))), *weight.shape).contiguous()
-    timed = sorted((cublaslt._graph_us(lambda i, c=c: lt.run(x, copies[i % len(copies)], bias, c), 10), c.index, c)
+    timed = sorted((cublaslt.graph_us(lambda i, c=c: lt.run(x, copies[i % len(copies)], bias, c), 10), c.index, c)
                    for c in same)
-    f_us = cublaslt._graph_us(lambda i: torch.nn.functional.linear(x, copies[i % len(copies)], bias), 10)
+    f_us = cublaslt.graph_us(lambda i: torch.nn.functional.linear(x, copies[i % len(copies)], bias), 10)
     print(f"   unsplit {rows} x {weight.shape[0]} x {k}: #{timed[0][2].index} tile {timed[0][2].tile} "
           f"{timed[0][0]:.1f} us against F.linear {f_us:.1f} ({len(same)} of {len(unsplit)} with its bits)", flush=True)
     lt.chosen = timed[0][2]

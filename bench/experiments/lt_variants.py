@@ -112,10 +112,6 @@ def _neighbours(lt: LtLinear, base: Candidate) -> list[Candidate]:
     return found
 
 
-def _graph_us(fn, calls: int) -> float:
-    return cublaslt._graph_us(fn, calls)
-
-
 def screen(product: str, rows: int, n: int, k: int, has_bias: bool, gen: torch.Generator) -> None:
     started = time.perf_counter()
     copies = max(1, -(-cublaslt.TIMED_BYTES // (n * k * 2)))
@@ -126,16 +122,16 @@ def screen(product: str, rows: int, n: int, k: int, has_bias: bool, gen: torch.G
     probe = torch.randn(rows, k, generator=gen, device="cuda").to(torch.bfloat16)
     lt = LtLinear(rows, n, k, torch.bfloat16, has_bias, x.device)
     wanted = [F.linear(p, weight, bias) for p in (x, probe)]
-    default_us = _graph_us(lambda i: F.linear(x, weights[i % copies], bias), 3)
+    default_us = cublaslt.graph_us(lambda i: F.linear(x, weights[i % copies], bias), 3)
     calls = max(3, min(20, int(cublaslt.TIMED_US / max(default_us, 1.0))))
-    default_us = _graph_us(lambda i: F.linear(x, weights[i % copies], bias), calls)
+    default_us = cublaslt.graph_us(lambda i: F.linear(x, weights[i % copies], bias), calls)
 
     def run(c: Candidate) -> tuple[float, bool] | None:
         try:
             outs = [lt.run(p, weight, bias, c) for p in (x, probe)]
             torch.cuda.synchronize()
             same = all(torch.equal(o, w) for o, w in zip(outs, wanted))
-            return _graph_us(lambda i: lt.run(x, weights[i % copies], bias, c), calls), same
+            return cublaslt.graph_us(lambda i: lt.run(x, weights[i % copies], bias, c), calls), same
         except RuntimeError as exc:
             print(f"   failed {c.config}: {exc}", flush=True)
             return None

@@ -19,11 +19,16 @@ is checked against F.linear's.
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from services.rollout.builtin import cublaslt  # noqa: E402
 
 SHAPES = {  # name: (n_out, k, bias)
     "0.5b qkv": (1152, 896, True), "0.5b o": (896, 896, False), "0.5b gate_up": (9728, 896, False),
@@ -129,25 +134,8 @@ def configs(rows: int, n: int, k: int):
 
 
 def graph_us(calls) -> float:
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for call in calls[:2]:
-            call()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for call in calls:
-            call()
-    times = []
-    for _ in range(5):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / len(calls))
-    return sorted(times)[2]
+    """Microseconds a call of `calls`, back to back in a CUDA graph (the engine's timing)."""
+    return cublaslt.graph_us(lambda i: calls[i](), len(calls))
 
 
 def main() -> None:

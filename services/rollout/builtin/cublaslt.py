@@ -177,7 +177,7 @@ def _workspace(device: torch.device) -> torch.Tensor:
     return workspace
 
 
-def _graph_us(fn, calls: int) -> float:
+def graph_us(fn, calls: int) -> float:
     """Microseconds a call of fn(i), i = 0..calls-1, run back to back in a CUDA graph (median of 5)."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -225,10 +225,10 @@ def choose(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *,
     if not same:
         return None
     copies = weight.expand(max(1, -(-TIMED_BYTES // (weight.numel() * weight.element_size()))), n, k).contiguous()
-    default_us = _graph_us(lambda i: F.linear(x, copies[i % len(copies)], bias), 3)
+    default_us = graph_us(lambda i: F.linear(x, copies[i % len(copies)], bias), 3)
     calls = max(3, min(20, int(TIMED_US / max(default_us, 1.0))))
-    default_us = _graph_us(lambda i: F.linear(x, copies[i % len(copies)], bias), calls)
-    timed = sorted((_graph_us(lambda i, c=c: product.run(x, copies[i % len(copies)], bias, c), calls), c.index, c)
+    default_us = graph_us(lambda i: F.linear(x, copies[i % len(copies)], bias), calls)
+    timed = sorted((graph_us(lambda i, c=c: product.run(x, copies[i % len(copies)], bias, c), calls), c.index, c)
                    for c in same)
     best_us, _, best = timed[0]
     shape = f"{rows} x {n} x {k}{' + bias' if bias is not None else ''}"
