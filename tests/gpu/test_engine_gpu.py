@@ -250,6 +250,87 @@ def test_tuned_products_give_f_linear_bits_eagerly_and_replayed(rows):
         assert torch.equal(out, F.linear(x, w, b))
 
 
+def _gated_library():
+    from services.rollout.builtin import cuda_kernels
+
+    library = cuda_kernels.gated_up_library()
+    if library is None:
+        pytest.skip(f"the CUDA C kernels are not built here: {cuda_kernels._failure}")
+    return library
+
+
+@pytest.mark.parametrize("rows,cluster", [(17, 2), (64, 1), (128, 4), (129, 2), (200, 1), (256, 2), (256, 4)])
+def test_gated_kernel_computes_what_the_torch_ops_compute(rows, cluster):
+    """The gated MLP's first product with its SiLU in one CUDA C kernel (programs sharing x through
+    cluster multicast): every element written, within bf16 rounding of a float64 reference and of
+    the engine's other path (cuBLAS, then the SiLU kernel), the same bits twice, and replayed in a
+    graph on new inputs as computed eagerly. The 0.5B shape (4864 columns: 76 programs of 64), row
+    counts that leave part of a token tile empty."""
+    import torch.nn.functional as F
+
+    from services.rollout.builtin.kernels import TritonOps
+
+    library = _gated_library()
+    tri = TritonOps()
+    gen = torch.Generator(device="cuda").manual_seed(4)
+
+    def rnd(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=gen, device="cuda") * scale).to(torch.bfloat16)
+
+    x, w = rnd(rows, 896), rnd(2 * 4864, 896, scale=896**-0.5)
+    tokens = min(t for t in (64, 128, 256) if t >= rows)
+
+    def run(out):
+        return library.gated_up(x, w, out, tokens=tokens, cluster=cluster, pdl=True)
+
+    first = run(torch.full((rows, 4864), float("nan"), device="cuda", dtype=torch.bfloat16))
+    second = run(torch.full((rows, 4864), float("nan"), device="cuda", dtype=torch.bfloat16))
+    assert not first.isnan().any() and torch.equal(first, second)
+    gate, up = (x.double() @ w.double().t()).chunk(2, dim=-1)
+    assert _rel(first, F.silu(gate) * up) < 5e-3
+    assert _rel(first, tri.silu_mul(*F.linear(x, w).chunk(2, dim=-1))) < 1e-2  # (the H200 gives the same bits)
+    out = torch.empty(rows, 4864, device="cuda", dtype=torch.bfloat16)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run(out)
+    x.copy_(rnd(rows, 896))  # new inputs, as the next step's
+    graph.replay()
+    assert torch.equal(out, run(torch.empty_like(out)))
+    with pytest.raises(Exception, match="gated_up"):
+        library.gated_up(x, w, torch.empty(rows, 4000, device="cuda", dtype=torch.bfloat16), tokens=tokens,
+                         cluster=cluster, pdl=True)
+
+
+def test_engine_on_the_gated_kernel_replays_what_it_computes_eagerly():
+    """An engine whose MLP runs on the gated kernel (a model with the 0.5B shape's MLP, 40 rows):
+    graphs replay the eager runner's tokens and logprobs bit for bit, and its tokens are the ones
+    an engine on cuBLAS and the SiLU kernel picks (greedy; bf16 rounding may move a near tie)."""
+    from services.models import DecoderLM, ModelConfig, init_weights
+
+    _gated_library()
+    config = ModelConfig(architecture="qwen2", vocab_size=TOKENIZER.vocab_size, hidden_size=896,
+                         intermediate_size=4864, num_hidden_layers=2, num_attention_heads=14, num_key_value_heads=2,
+                         head_dim=64, max_position_embeddings=64)
+    model = DecoderLM(config)
+    init_weights(model, seed=0)
+    with torch.no_grad():
+        model.model.embed_tokens.weight.mul_(20)
+    model = model.to(torch.bfloat16).cuda()
+    prompts = _prompts() * 10
+    greedy = Sampling(temperature=0, max_new_tokens=16, ignore_eos=True)
+    runs = {}
+    for name, graphs, gated in (("graphs", True, True), ("eager", False, True), ("cublas", True, False)):
+        core = GenerationCore(model, TOKENIZER, torch.device("cuda"),
+                              CoreSettings(max_batch_size=64, cuda_graphs=graphs))
+        core.ops.gated_kernel = gated
+        runs[name] = core.generate(prompts, greedy)
+        assert (core.ops._gated is not None) == gated
+    assert [r.output_ids for r in runs["graphs"]] == [r.output_ids for r in runs["eager"]]
+    assert [r.logprobs for r in runs["graphs"]] == [r.logprobs for r in runs["eager"]]
+    same = sum(a.output_ids == b.output_ids for a, b in zip(runs["graphs"], runs["cublas"]))
+    assert same >= 0.9 * len(prompts)
+
+
 def test_tuned_products_leave_every_token_and_logprob_as_it_was():
     """An engine whose products are on cuBLASLt's chosen algorithms against one on F.linear's:
     the same tokens and logprobs, bit for bit, sampled at a batch where the step's products

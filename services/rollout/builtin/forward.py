@@ -140,9 +140,8 @@ class PagedDecoder:
             x = ops.linear(attended, attn.o_proj.weight, attn.o_proj.bias)
             h, residual = ops.add_rmsnorm(x, residual, layer.post_attention_layernorm.weight, eps)
             if self.fused is not None:
-                gate, up = ops.linear(h, self.fused[index].gate_up).chunk(2, dim=-1)
+                x = ops.gated_mlp(h, self.fused[index].gate_up, mlp.down_proj.weight, mlp.down_proj.bias)
             else:
-                gate, up = mlp.gate_proj(h), mlp.up_proj(h)
-            x = ops.silu_mul_linear(gate, up, mlp.down_proj.weight, mlp.down_proj.bias)
+                x = ops.silu_mul_linear(mlp.gate_proj(h), mlp.up_proj(h), mlp.down_proj.weight, mlp.down_proj.bias)
         h, _ = ops.add_rmsnorm(x, residual, self.model.model.norm.weight, eps)
         return h

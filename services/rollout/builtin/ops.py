@@ -123,6 +123,13 @@ class TorchOps:
         """The decode step's logits [b, V] from hidden states x [b, hidden] and the output embedding."""
         return F.linear(x, weight)
 
+    def gated_mlp(self, h: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+                  down_bias: torch.Tensor | None = None) -> torch.Tensor:
+        """A fused layer's gated MLP (`forward.fuse_projections`): gate_up [2 I, hidden] holds the
+        gate rows, then the up rows; linear(silu(h gate^T) * (h up^T), down)."""
+        gate, up = self.linear(h, gate_up).chunk(2, dim=-1)
+        return self.silu_mul_linear(gate, up, down, down_bias)
+
     def silu_mul_linear(self, gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor,
                         bias: torch.Tensor | None = None) -> torch.Tensor:
         """The gated MLP's down product: linear(silu(gate) * up), the activation rounded to the
