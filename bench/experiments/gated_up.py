@@ -1,6 +1,7 @@
 """Experiment (2026-12-03, session 25): the gated MLP's first product and its SiLU as one CUDA C
-kernel with cluster multicast (`services/rollout/builtin/cuda/gated_up.cu`), against cuBLAS and
-the SiLU kernel.
+kernel (`gated_up.cu`: wgmma, TMA, the token tile multicast across a cluster, the weight's first
+tiles asked for before the PDL wait; built by `gated_up_build.py`), against cuBLAS and the SiLU
+kernel. Not kept: slower alone and in the step (bench/results/gated_up-experiment-*).
 
     python bench/experiments/gated_up.py micro                 # each variant alone: bits, error, time
     python bench/experiments/gated_up.py step [variants] [batches]   # in the decode step, alternating
@@ -11,7 +12,8 @@ the SiLU kernel.
 kernel: the share of bit-equal elements and the largest difference), every element written (the
 output is poisoned with NaN first), and its time alone in a CUDA graph over weight copies past
 L2, as the engine's tuning times products. `step`: the 0.5B decode step with the kernel on and
-off (`TritonOps.gated_kernel`), variants alternating in one process (`alternate.py`).
+off (the engine's `gated_mlp` op replaced for the variant), variants alternating in one process
+(`alternate.py`). `trace`: where one program's time goes, from %globaltimer stamps.
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from services.rollout.builtin import cublaslt, cuda_kernels  # noqa: E402
+from bench.experiments import gated_up_build as cuda_kernels  # noqa: E402
+from services.rollout.builtin import cublaslt  # noqa: E402
 
 SHAPES = {"0.5b": (896, 4864), "1.5b": (1536, 8960)}  # hidden (k), intermediate (I)
 CASES = [("0.5b", 256), ("0.5b", 192), ("0.5b", 128), ("0.5b", 64), ("0.5b", 32), ("1.5b", 256), ("1.5b", 64)]
@@ -107,14 +110,32 @@ def trace() -> None:
 
 
 def step() -> None:
-    from bench.experiments.alternate import alternate, cli, greedy_tail
+    import types
 
-    variants = {"cublas": (False, 2), "gated": (True, 2), "gated_c1": (True, 1), "gated_c4": (True, 4)}
+    from bench.experiments.alternate import alternate, cli, greedy_tail
+    from services.rollout.builtin.kernels import TritonOps
+
+    lib = cuda_kernels.gated_up_library()
+    assert lib is not None
+    variants = {"cublas": None, "gated": 2, "gated_c1": 1, "gated_c4": 4}  # cluster size
     names, batches = cli(variants, [64, 256])
     names = [n for n in names if n in variants] or ["cublas", "gated"]
 
+    def gated_mlp(ops, h, gate_up, down, down_bias=None, *, cluster):
+        rows = h.shape[0]
+        tokens = min((t for t in cuda_kernels.VARIANTS if t >= rows), default=None)
+        if rows <= ops.skinny_rows or tokens is None or h.stride(1) != 1:
+            return TritonOps.gated_mlp(ops, h, gate_up, down, down_bias)
+        act = torch.empty(rows, gate_up.shape[0] // 2, dtype=h.dtype, device=h.device)
+        lib.gated_up(h, gate_up, act, tokens=tokens, cluster=cluster, pdl=ops.pdl)
+        return ops.linear(act, down, down_bias)
+
     def apply(core, name):
-        core.ops.gated_kernel, core.ops.gated_cluster = variants[name]
+        cluster = variants[name]
+        if cluster is None:
+            core.ops.__dict__.pop("gated_mlp", None)
+        else:
+            core.ops.gated_mlp = types.MethodType(lambda ops, *a, c=cluster: gated_mlp(ops, *a, cluster=c), core.ops)
 
     def describe(core, prompts):
         from bench.experiments.alternate import ONE

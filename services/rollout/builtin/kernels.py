@@ -33,7 +33,7 @@ import torch.nn.functional as F
 import triton
 
 from services import devices
-from services.rollout.builtin import cublaslt, cuda_kernels, sampling
+from services.rollout.builtin import cublaslt, sampling
 from services.rollout.builtin.attention_kernels import _decode_attention_kernel, _qk_rope_cache_kernel
 from services.rollout.builtin.linear_kernels import (SKINNY_BLOCK_M, SKINNY_MAX_BLOCK_M, _skinny_linear_kernel,
                                                      _tile_linear_kernel)
@@ -127,16 +127,6 @@ class TritonOps(TorchOps):
     tune_max_rows = 16384
     tune_min_gain = 0.03
 
-    # The gated MLP's first product and its SiLU as one CUDA C kernel (`cuda/gated_up.cu`, built
-    # with nvcc at first use: `cuda_kernels.py`) for bf16 steps of more than `skinny_rows` and at
-    # most `gated_max_rows` rows, where every program (64 gate and 64 up rows of the weight) has a
-    # multiprocessor of its own; programs in clusters of `gated_cluster` share the tokens through
-    # multicast. Where it does not apply (no nvcc, no Hopper, another shape) cuBLAS and the SiLU
-    # kernel run it, with the same bits.
-    gated_kernel = True
-    gated_max_rows = 256
-    gated_cluster = 2
-
     # Warps a program of the norm (a row), the sampling chunk kernel (sampling.CHUNK tokens) and
     # the SiLU (1024 columns). H200, 0.5B decode step (bench/experiments/knob_step.py,
     # bench/results/knob_step-experiment-*): norm 1, 2 or 4 and SiLU 1 or 4 within the spread at
@@ -183,7 +173,6 @@ class TritonOps(TorchOps):
     def __init__(self, pdl: bool | None = None):
         self._counters: dict[tuple, torch.Tensor] = {}
         self._products: dict[tuple, cublaslt.LtProduct | None] = {}  # `_cublas`' choices by shape
-        self._gated: cuda_kernels.GatedUpLibrary | None = None  # built at the first use
         # Programmatic dependent launch (Hopper on): the kernels that wait for their predecessor
         # with `gdc_wait` (norm, RoPE, attention, skinny products) are launched so that they may
         # start before it ends; captured graphs keep that. With cuBLAS products alone it took the
@@ -299,33 +288,6 @@ class TritonOps(TorchOps):
         if not (halves and self._skinny(gate, weight)):
             return super().silu_mul_linear(gate, up, weight, bias)
         return self._skinny_linear(gate, weight, bias, silu=True)
-
-    def gated_mlp(self, h, gate_up, down, down_bias=None):
-        tokens = self._gated_tokens(h, gate_up)
-        if tokens is None:
-            return super().gated_mlp(h, gate_up, down, down_bias)
-        act = torch.empty(h.shape[0], gate_up.shape[0] // 2, dtype=h.dtype, device=h.device)
-        self._gated.gated_up(h, gate_up, act, tokens=tokens, cluster=self.gated_cluster, pdl=self.pdl)
-        return self.linear(act, down, down_bias)
-
-    def _gated_tokens(self, h, gate_up) -> int | None:
-        """The compiled variant of the gated kernel for this product (its token tile), or None."""
-        rows, k = h.shape
-        inter = gate_up.shape[0] // 2
-        if not (self.gated_kernel and self.skinny_rows < rows <= self.gated_max_rows and h.is_cuda
-                and h.dtype == gate_up.dtype == torch.bfloat16 and h.stride(1) == 1 and h.stride(0) % 8 == 0
-                and gate_up.is_contiguous() and k % 8 == 0 and inter % 8 == 0
-                and triton.cdiv(inter, cuda_kernels.WEIGHT_ROWS) <= devices.sm_count(h.device)):
-            return None
-        tokens = min((t for t in cuda_kernels.VARIANTS if t >= rows), default=None)
-        if tokens is None or tokens % self.gated_cluster:
-            return None
-        if self._gated is None:
-            self._gated = cuda_kernels.gated_up_library()
-            if self._gated is None:
-                self.gated_kernel = False
-                return None
-        return tokens
 
     def _skinny(self, x, weight) -> bool:
         return (x.shape[0] <= self.skinny_rows and x.dtype in (torch.bfloat16, torch.float16)

@@ -17,7 +17,8 @@
 // then written to shared memory token-major for whole-line stores. Programs of a cluster share
 // the token tile: each loads a 1/C slice and the tensor memory accelerator multicasts it to all C.
 //
-// Built by `services/rollout/builtin/cuda_kernels.py` with nvcc for sm_90a; called through ctypes.
+// An experiment (session 25, not in the engine: it lost to cuBLAS and the SiLU kernel, see
+// bench/experiments/gated_up.py): built by `gated_up_build.py` with nvcc for sm_90a, called through ctypes.
 
 #include <cuda.h>
 #include <cuda_bf16.h>

@@ -1,13 +1,7 @@
-"""The engine's kernels written in CUDA C (`cuda/*.cu`), for what Triton does not express on
-Hopper: thread-block clusters whose programs share a tile through the tensor memory
-accelerator's multicast.
-
-They are built with nvcc for the device's architecture at first use, into a cache directory
-(`RLFLEET_KERNEL_CACHE`, default `~/.cache/rlfleet/kernels`, one file per source and flags), and
-called through ctypes: no torch extension, no pickled state. Where there is no nvcc, no Hopper
-GPU, or the build fails, `gated_up_library()` says why (once, in the log) and returns None; the
-engine then runs the same op on cuBLAS and Triton.
-"""
+"""Builds and loads `gated_up.cu` for the experiment `gated_up.py` (session 25): nvcc for sm_90a
+into a cache directory (`RLFLEET_KERNEL_CACHE`, default `~/.cache/rlfleet/kernels`, one file per
+source text and flags), called through ctypes. The kernel is not in the engine: in the decode
+step it lost to cuBLAS and the SiLU kernel (`bench/results/gated_up-experiment-*`)."""
 
 from __future__ import annotations
 
@@ -25,7 +19,7 @@ import torch
 
 log = logging.getLogger("rlfleet.rollout")
 
-SOURCE = Path(__file__).resolve().parent / "cuda" / "gated_up.cu"
+SOURCE = Path(__file__).resolve().parent / "gated_up.cu"
 FLAGS = ("-O3", "-std=c++17", "-gencode", "arch=compute_90a,code=sm_90a", "-shared", "-Xcompiler", "-fPIC")
 # Compiled variants of the gated product, (tokens, stages): up to `tokens` rows, that many tiles
 # of k in flight (`rlf_gated_up`). A program takes 64 gate and 64 up rows of the weight.
@@ -118,5 +112,5 @@ def gated_up_library() -> GatedUpLibrary | None:
             _library = GatedUpLibrary(_build(SOURCE, nvcc))
         except (RuntimeError, OSError, subprocess.TimeoutExpired) as exc:
             _failure = str(exc)
-            log.warning("CUDA C kernels off (%s): the gated MLP product runs on cuBLAS and Triton", _failure)
+            log.warning("gated_up.cu not built (%s)", _failure)
         return _library
