@@ -66,7 +66,7 @@ def _build(source: Path, nvcc: str) -> Path:
 
 
 class GatedUpLibrary:
-    """`cuda/gated_up.cu`, built and loaded."""
+    """`gated_up.cu`, built and loaded."""
 
     def __init__(self, path: Path):
         self._lib = ctypes.CDLL(str(path))
