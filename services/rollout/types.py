@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import array
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy
@@ -68,32 +69,82 @@ class Generation:
     finish_reason: str
 
 
-def validate_prompts(prompts_ids: list[list[int]], sampling: Sampling, vocab_size: int, max_positions: int) -> None:
-    """ValueError naming the field for prompts a model cannot take."""
-    if not _plainly_valid(prompts_ids, sampling, vocab_size, max_positions):
+@dataclass(frozen=True, eq=False)
+class PackedPrompts:
+    """The prompts' ids one after another in one int64 array: prompt i is
+    flat[starts[i] : starts[i] + lengths[i]]. `validate_prompts` converts the Python ints once to
+    check them and returns this, so that an engine moving the ids to a device does not convert
+    them a second time (~0.5 ms for 256 prompts of 64 tokens on a 2-core host, before the device
+    gets its first work of a call)."""
+
+    flat: numpy.ndarray  # int64 [all the ids]
+    starts: numpy.ndarray  # int64 [prompts]
+    lengths: numpy.ndarray  # int64 [prompts]
+
+    def rows(self, indices: Sequence[int], width: int, fill: int = 0) -> numpy.ndarray:
+        """int64 [len(indices), width]: prompts `indices`, each right-padded with `fill`."""
+        index = numpy.asarray(indices, dtype=numpy.int64)
+        lengths = self.lengths[index]
+        if lengths.size and int(lengths.max()) > width:
+            raise ValueError(f"PackedPrompts.rows: a prompt of {int(lengths.max())} ids does not fit in {width}")
+        columns = numpy.arange(width, dtype=numpy.int64)
+        real = columns < lengths[:, None]
+        if not real.any():
+            return numpy.full((len(index), width), fill, dtype=numpy.int64)
+        at = numpy.where(real, self.starts[index][:, None] + columns, 0)
+        return numpy.where(real, self.flat[at], fill)
+
+
+def pack_prompts(prompts_ids: Sequence[Sequence[int]]) -> PackedPrompts:
+    """`PackedPrompts` of any sequences of integers (TypeError or OverflowError otherwise)."""
+    flat = array.array("q")
+    for prompt in prompts_ids:
+        flat.fromlist(prompt if type(prompt) is list else list(prompt))
+    return _packed(flat, list(map(len, prompts_ids)))
+
+
+def _packed(flat: array.array, lengths: list[int]) -> PackedPrompts:
+    sizes = numpy.array(lengths, dtype=numpy.int64)
+    starts = numpy.zeros_like(sizes)
+    numpy.cumsum(sizes[:-1], out=starts[1:])
+    ids = numpy.frombuffer(flat, dtype=numpy.int64) if len(flat) else numpy.zeros(0, dtype=numpy.int64)
+    return PackedPrompts(ids, starts, sizes)
+
+
+def validate_prompts(prompts_ids: Sequence[Sequence[int]], sampling: Sampling, vocab_size: int,
+                     max_positions: int) -> PackedPrompts:
+    """ValueError naming the field for prompts a model cannot take; the prompts packed if it can."""
+    packed = _plainly_valid(prompts_ids, sampling, vocab_size, max_positions)
+    if packed is None:
         _find_invalid(prompts_ids, sampling, vocab_size, max_positions)
+        try:  # in range, but not all lists of ints (tuples, numpy integers: packed; floats: refused)
+            packed = pack_prompts(prompts_ids)
+        except (TypeError, OverflowError) as error:
+            raise ValueError("prompts_ids: token ids must be integers") from error
     if any(not 0 <= t < vocab_size for t in sampling.stop_token_ids):
         raise ValueError(f"stop_token_ids: ids must be in [0, {vocab_size})")
+    return packed
 
 
-def _plainly_valid(prompts_ids: list[list[int]], sampling: Sampling, vocab_size: int, max_positions: int) -> bool:
-    """Every prompt non-empty, its ids integers in [0, vocab_size), within the positions: checked
-    in one pass through an int64 array (0.2 against 0.7 ms for 256 prompts of 64 tokens on a
-    2-core host, time before the device gets any work), False to let `_find_invalid` name the
-    prompt."""
-    if not prompts_ids:
-        return True
+def _plainly_valid(prompts_ids: Sequence[Sequence[int]], sampling: Sampling, vocab_size: int,
+                   max_positions: int) -> PackedPrompts | None:
+    """The prompts packed, if every one is a non-empty list of integers in [0, vocab_size) within
+    the positions: checked in one pass through an int64 array (0.2 against 0.7 ms for 256 prompts
+    of 64 tokens on a 2-core host, time before the device gets any work); None to let
+    `_find_invalid` name the prompt."""
     flat = array.array("q")
     try:
         lengths = list(map(len, prompts_ids))
-        if min(lengths) == 0 or max(lengths) + sampling.max_new_tokens > max_positions:
-            return False
+        if lengths and (min(lengths) == 0 or max(lengths) + sampling.max_new_tokens > max_positions):
+            return None
         for prompt in prompts_ids:
             flat.fromlist(prompt)
     except (TypeError, OverflowError):
-        return False
-    ids = numpy.frombuffer(flat, dtype=numpy.int64)
-    return bool(ids.min() >= 0 and ids.max() < vocab_size)
+        return None
+    packed = _packed(flat, lengths)
+    if packed.flat.size and not (packed.flat.min() >= 0 and packed.flat.max() < vocab_size):
+        return None
+    return packed
 
 
 def _find_invalid(prompts_ids: list[list[int]], sampling: Sampling, vocab_size: int, max_positions: int) -> None:

@@ -13,7 +13,7 @@ import torch
 from services.rollout.builtin import scheduler
 from services.rollout.builtin.core import CoreSettings, GenerationCore
 from services.rollout.builtin.scheduler import GenerationCancelled, PromptTooLong
-from services.rollout.types import Sampling
+from services.rollout.types import Sampling, pack_prompts
 from tests.unit.test_torch_engine import TOKENIZER, _full_logits, _model, _prompts
 
 torch.set_num_threads(1)
@@ -211,7 +211,7 @@ def test_a_prefill_padded_to_its_gpu_shape_gives_the_same_logits_and_cache(monke
         monkeypatch.setattr(runner_module.ModelRunner, "prefill_shape", lambda self, g, n: shape or (g, n))
         cache.kv.zero_()
         with torch.inference_mode():
-            logits = runner._prefill_logits(prompts, tables)
+            logits = runner._prefill_logits(pack_prompts(prompts), list(range(len(prompts))), tables)
         return logits, cache.kv.clone()
 
     plain_logits, plain_cache = prefill(None)
@@ -223,6 +223,27 @@ def test_a_prefill_padded_to_its_gpu_shape_gives_the_same_logits_and_cache(monke
     written = sum(len(p) for p in prompts)
     assert int((plain_cache[0, 0, real].abs().sum(dim=(-1, -2)) != 0).sum()) == written  # one row per token
     assert bs * len(real) >= written
+
+
+def test_prompts_are_checked_and_packed_once_whatever_sequences_hold_them():
+    from services.rollout.types import validate_prompts
+
+    sampling = Sampling(max_new_tokens=4)
+    packed = validate_prompts([[5, 6, 7], (8,), range(9, 11)], sampling, 100, 64)
+    assert packed.flat.tolist() == [5, 6, 7, 8, 9, 10] and packed.lengths.tolist() == [3, 1, 2]
+    # any subset, in any order, right-padded: what a prefill of those prompts reads
+    assert packed.rows([2, 0], 4, fill=-1).tolist() == [[9, 10, -1, -1], [5, 6, 7, -1]]
+    assert packed.rows([], 2).shape == (0, 2)
+    with pytest.raises(ValueError, match="a prompt of 3 ids does not fit in 2"):
+        packed.rows([0], 2)
+    model = _model()
+    greedy = Sampling(temperature=0, max_new_tokens=6, ignore_eos=True)
+    prompts = _prompts() + [LONG]
+    lists = _core(model, max_batch_size=2).generate(prompts, greedy)  # admitted in rounds
+    mixed = [tuple(p) if i % 2 == 0 else p for i, p in enumerate(prompts)]  # LONG, last, as a tuple
+    others = _core(model, max_batch_size=2).generate(mixed, greedy)
+    assert [r.output_ids for r in others] == [r.output_ids for r in lists]
+    assert all(type(r.prompt_ids) is list for r in others) and others[-1].prompt_ids == LONG
 
 
 def test_padded_host_tensors_hold_the_rows_and_their_fill():

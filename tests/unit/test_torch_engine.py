@@ -285,6 +285,8 @@ def test_bad_prompts_name_the_field(generate):
         generate(model, TOKENIZER, [[3, 4], []], Sampling(max_new_tokens=4))
     with pytest.raises(ValueError, match="prompts_ids"):
         generate(model, TOKENIZER, [[3, 10_000]], Sampling(max_new_tokens=4))
+    with pytest.raises(ValueError, match="prompts_ids: token ids must be integers"):
+        generate(model, TOKENIZER, [[3, 4], [5.0, 6]], Sampling(max_new_tokens=4))
     with pytest.raises(ValueError, match="max_new_tokens"):
         generate(model, TOKENIZER, [[3] * 10], Sampling(max_new_tokens=55))  # 65 > 64 positions
     with pytest.raises(ValueError, match="max_batch_size"):

@@ -84,16 +84,16 @@ class GenerationCore:
 
     def generate(self, prompts_ids: list[list[int]], sampling: Sampling,
                  cancelled: Callable[[], bool] | None = None) -> list[Generation]:
-        validate_prompts(prompts_ids, sampling, self.config.vocab_size, self.config.max_position_embeddings)
+        packed = validate_prompts(prompts_ids, sampling, self.config.vocab_size, self.config.max_position_embeddings)
         started = time.perf_counter()
-        longest = max(len(p) for p in prompts_ids) + sampling.max_new_tokens
+        longest = int(packed.lengths.max()) + sampling.max_new_tokens
         self._ensure(longest, len(prompts_ids) * sampling.n)
         stop_ids = set(sampling.stop_token_ids)
         if not sampling.ignore_eos and self.tokenizer.eos_token_id is not None:
             stop_ids.add(self.tokenizer.eos_token_id)
         seed = sampling.seed if sampling.seed is not None else random.SystemRandom().getrandbits(63)
         with torch.inference_mode():
-            results = self.scheduler.run(prompts_ids, sampling, stop_ids, seed, cancelled)
+            results = self.scheduler.run(prompts_ids, sampling, stop_ids, seed, cancelled, packed)
         self.last_seconds = time.perf_counter() - started
         return results
 

@@ -26,6 +26,7 @@ import logging
 import time
 from dataclasses import dataclass
 
+import numpy
 import torch
 
 from services import devices
@@ -33,6 +34,7 @@ from services.rollout.builtin import sampling
 from services.rollout.builtin.forward import PagedDecoder
 from services.rollout.builtin.kv_cache import TRASH_BLOCK, PagedKVCache, to_device
 from services.rollout.builtin.state import RowState
+from services.rollout.types import PackedPrompts
 
 log = logging.getLogger("rlfleet.rollout")
 
@@ -188,11 +190,11 @@ class ModelRunner:
         r.block_tables.fill_(TRASH_BLOCK)
         r.positions.zero_()
 
-    def prefill(self, prompts: list[list[int]], blocks: list[list[int]]) -> torch.Tensor:
-        """Queue the prefill of `prompts` (each once, its cache positions in `blocks[i]`); returns
-        its logits [G', V], G' >= G (padding groups last), for `start`. On a GPU it returns once
-        the work is queued, so what the host does next overlaps it."""
-        return self._prefill_logits(prompts, blocks)
+    def prefill(self, prompts: PackedPrompts, indices: list[int], blocks: list[list[int]]) -> torch.Tensor:
+        """Queue the prefill of prompts `indices` of `prompts` (each once, its cache positions in
+        `blocks[i]`); returns its logits [G', V], G' >= G (padding groups last), for `start`. On a
+        GPU it returns once the work is queued, so what the host does next overlaps it."""
+        return self._prefill_logits(prompts, indices, blocks)
 
     def start(self, logits: torch.Tensor, rows: list[NewRow], first_slot: int, mode: StepMode) -> None:
         """Start `rows` in slots first_slot.. with their first token, sampled from the prefill's
@@ -228,18 +230,21 @@ class ModelRunner:
             return groups, length
         return padded_groups, padded_length
 
-    def _prefill_logits(self, prompts: list[list[int]], blocks: list[list[int]]) -> torch.Tensor:
+    def _prefill_logits(self, prompts: PackedPrompts, indices: list[int], blocks: list[list[int]]) -> torch.Tensor:
         bs = self.cache.shape.block_size
-        groups, length = self.prefill_shape(len(prompts), max(len(p) for p in prompts))
+        sizes = prompts.lengths[indices]
+        groups, length = self.prefill_shape(len(indices), int(sizes.max()))
         width = -(-length // bs)
-        # One tensor each, never a tensor op per prompt (that cost ~15 ms for 256 prompts), and
-        # one copy of them all to the device. Padding groups are one token long and write to the trash block.
-        pad = groups - len(prompts)
-        tokens = padded(prompts + [[]] * pad, length, 0, torch.int64)  # [G, P]
-        lengths = _ints([len(p) for p in prompts] + [1] * pad)  # [G]
-        tables = padded([table[: -(-len(p) // bs)] for p, table in zip(prompts, blocks)] + [[]] * pad, width,
+        # One array each, never a tensor op per prompt (that cost ~15 ms for 256 prompts), the
+        # ids from the array they were checked in, and one copy of them all to the device.
+        # Padding groups are one token long, all zeros, and write to the trash block.
+        pad = groups - len(indices)
+        tokens = numpy.zeros((groups, length), dtype=numpy.int64)  # [G, P]
+        tokens[: len(indices)] = prompts.rows(indices, length)
+        lengths = numpy.concatenate((sizes, numpy.ones(pad, dtype=numpy.int64)))  # [G]
+        tables = padded([table[: -(-n // bs)] for n, table in zip(sizes.tolist(), blocks)] + [[]] * pad, width,
                         TRASH_BLOCK, torch.int64)  # [G, P / block_size]
-        packed = torch.cat((tokens.view(-1), lengths, tables.view(-1)))
+        packed = torch.cat((torch.from_numpy(tokens).view(-1), torch.from_numpy(lengths), tables.view(-1)))
         graph = self._prefill_graphs.get((groups, length))
         if self.use_graphs and graph is not None:
             graph.inputs.copy_(packed.pin_memory(), non_blocking=True)  # (as `to_device` does)
