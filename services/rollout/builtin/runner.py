@@ -215,7 +215,10 @@ class ModelRunner:
         state.num_made[slot] = 0
         state.done[slot] = False
         state.positions[slot] = positions
-        self._record(logits[logits_index], first_slot, mode)  # [count, V]
+        # Each row samples from its prompt's logits row: with one sample a prompt, in order, the
+        # rows themselves (a view: no copy of [count, V] logits, 93 us at 256 x 151,936 on an H200).
+        in_order = all(row.logits_index == i for i, row in enumerate(rows))
+        self._record(logits[:count] if in_order else logits[logits_index], first_slot, mode)  # [count, V]
 
     def prefill_shape(self, groups: int, length: int) -> tuple[int, int]:
         """The (groups, length) a prefill of `groups` prompts of at most `length` tokens runs at.
