@@ -33,7 +33,7 @@ def generate(
     device: str | torch.device = "cpu",
 ) -> list[Generation]:
     """Sample `sampling.n` completions per prompt; results are prompt-major (results[i*n + j])."""
-    _validate(model, prompts_ids, sampling, max_batch_size)
+    prompts_ids = _validate(model, prompts_ids, sampling, max_batch_size)
     stop_ids = set(sampling.stop_token_ids)
     if not sampling.ignore_eos and tokenizer.eos_token_id is not None:
         stop_ids.add(tokenizer.eos_token_id)
@@ -61,10 +61,12 @@ def generate(
 
 def _validate(
     model: DecoderLM, prompts_ids: list[list[int]], sampling: Sampling, max_batch_size: int
-) -> None:
+) -> list[list[int]]:
+    """The prompts as lists of Python ints, once they are known to be good."""
     if max_batch_size < 1:
         raise ValueError(f"max_batch_size: must be >= 1, got {max_batch_size}")
-    validate_prompts(prompts_ids, sampling, model.config.vocab_size, model.config.max_position_embeddings)
+    packed = validate_prompts(prompts_ids, sampling, model.config.vocab_size, model.config.max_position_embeddings)
+    return packed.as_lists(prompts_ids)
 
 
 def _generate_batch(

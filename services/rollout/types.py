@@ -95,12 +95,36 @@ class PackedPrompts:
         return numpy.where(real, self.flat[at], fill)
 
 
+    def prompt(self, index: int) -> list[int]:
+        """Prompt `index`'s ids as Python ints."""
+        start = int(self.starts[index])
+        return self.flat[start : start + int(self.lengths[index])].tolist()
+
+    def as_lists(self, prompts_ids: Sequence[Sequence[int]]) -> list[list[int]]:
+        """The prompts these were packed from as lists of Python ints: the caller's own lists as
+        they are, other sequences (tuples, numpy arrays, torch tensors) made from the packed ids."""
+        return [p if type(p) is list else self.prompt(i) for i, p in enumerate(prompts_ids)]
+
+
 def pack_prompts(prompts_ids: Sequence[Sequence[int]]) -> PackedPrompts:
-    """`PackedPrompts` of any sequences of integers (TypeError or OverflowError otherwise)."""
+    """`PackedPrompts` of any sequences of integers: lists, tuples, ranges, numpy arrays, torch
+    tensors (TypeError or OverflowError for anything else)."""
     flat = array.array("q")
+    lengths = []
     for prompt in prompts_ids:
-        flat.fromlist(prompt if type(prompt) is list else list(prompt))
-    return _packed(flat, list(map(len, prompts_ids)))
+        ids = _ids(prompt)
+        flat.fromlist(ids)
+        lengths.append(len(ids))
+    return _packed(flat, lengths)
+
+
+def _ids(prompt) -> list:
+    """A prompt as a list: itself, what its `tolist` gives (numpy arrays, torch tensors: Python
+    ints, not numpy or torch scalars), or list(prompt)."""
+    if type(prompt) is list:
+        return prompt
+    tolist = getattr(prompt, "tolist", None)
+    return tolist() if callable(tolist) else list(prompt)
 
 
 def _packed(flat: array.array, lengths: list[int]) -> PackedPrompts:
@@ -115,12 +139,9 @@ def validate_prompts(prompts_ids: Sequence[Sequence[int]], sampling: Sampling, v
                      max_positions: int) -> PackedPrompts:
     """ValueError naming the field for prompts a model cannot take; the prompts packed if it can."""
     packed = _plainly_valid(prompts_ids, sampling, vocab_size, max_positions)
-    if packed is None:
+    if packed is None:  # a bad prompt, or prompts that are not all lists (tuples, arrays, tensors)
         _find_invalid(prompts_ids, sampling, vocab_size, max_positions)
-        try:  # in range, but not all lists of ints (tuples, numpy integers: packed; floats: refused)
-            packed = pack_prompts(prompts_ids)
-        except (TypeError, OverflowError) as error:
-            raise ValueError("prompts_ids: token ids must be integers") from error
+        packed = pack_prompts(prompts_ids)
     if any(not 0 <= t < vocab_size for t in sampling.stop_token_ids):
         raise ValueError(f"stop_token_ids: ids must be in [0, {vocab_size})")
     return packed
@@ -147,14 +168,23 @@ def _plainly_valid(prompts_ids: Sequence[Sequence[int]], sampling: Sampling, voc
     return packed
 
 
-def _find_invalid(prompts_ids: list[list[int]], sampling: Sampling, vocab_size: int, max_positions: int) -> None:
+def _find_invalid(prompts_ids: Sequence[Sequence[int]], sampling: Sampling, vocab_size: int,
+                  max_positions: int) -> None:
     for i, prompt in enumerate(prompts_ids):
-        if not prompt:
+        try:
+            ids = _ids(prompt)
+        except TypeError:
+            ids = None
+        if not isinstance(ids, list):
+            raise ValueError(f"prompts_ids: prompt {i} is not a sequence of token ids ({type(prompt).__name__})")
+        if not ids:
             raise ValueError(f"prompts_ids: prompt {i} is empty")
-        if min(prompt) < 0 or max(prompt) >= vocab_size:
+        if not all(isinstance(t, int) for t in ids):
+            raise ValueError(f"prompts_ids: prompt {i} holds token ids that are not integers")
+        if min(ids) < 0 or max(ids) >= vocab_size:
             raise ValueError(f"prompts_ids: prompt {i} has token ids outside [0, {vocab_size})")
-        if len(prompt) + sampling.max_new_tokens > max_positions:
+        if len(ids) + sampling.max_new_tokens > max_positions:
             raise ValueError(
-                f"max_new_tokens: prompt {i} has {len(prompt)} tokens, and {len(prompt)} + "
+                f"max_new_tokens: prompt {i} has {len(ids)} tokens, and {len(ids)} + "
                 f"{sampling.max_new_tokens} exceeds max_position_embeddings={max_positions}"
             )

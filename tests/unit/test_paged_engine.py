@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 
+import numpy
 import pytest
 import torch
 
@@ -240,10 +241,21 @@ def test_prompts_are_checked_and_packed_once_whatever_sequences_hold_them():
     greedy = Sampling(temperature=0, max_new_tokens=6, ignore_eos=True)
     prompts = _prompts() + [LONG]
     lists = _core(model, max_batch_size=2).generate(prompts, greedy)  # admitted in rounds
-    mixed = [tuple(p) if i % 2 == 0 else p for i, p in enumerate(prompts)]  # LONG, last, as a tuple
+    # as RL code holds them: tuples, numpy arrays, torch tensors (LONG, last, as a tuple)
+    kinds = [tuple, numpy.array, torch.tensor, list]
+    mixed = [kinds[i % 4](p) if i < 4 else tuple(p) for i, p in enumerate(prompts)]
     others = _core(model, max_batch_size=2).generate(mixed, greedy)
     assert [r.output_ids for r in others] == [r.output_ids for r in lists]
-    assert all(type(r.prompt_ids) is list for r in others) and others[-1].prompt_ids == LONG
+    assert [r.prompt_ids for r in others] == prompts and others[-1].prompt_ids == LONG
+    # plain Python ints in the results (JSON, protobuf), whatever held the prompt
+    assert {type(t) for r in others for t in r.prompt_ids} == {int}
+    json.dumps([r.prompt_ids for r in others])
+    for bad, message in ((numpy.array(3), "prompt 0 is not a sequence of token ids"),
+                         (numpy.array([3.0, 4.0]), "prompt 0 holds token ids that are not integers"),
+                         (torch.tensor([3, 10**6]), "prompt 0 has token ids outside"),
+                         (numpy.array([], dtype=numpy.int64), "prompt 0 is empty")):
+        with pytest.raises(ValueError, match=message):
+            validate_prompts([bad], sampling, 100, 64)
 
 
 def test_padded_host_tensors_hold_the_rows_and_their_fill():

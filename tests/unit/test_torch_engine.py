@@ -285,7 +285,7 @@ def test_bad_prompts_name_the_field(generate):
         generate(model, TOKENIZER, [[3, 4], []], Sampling(max_new_tokens=4))
     with pytest.raises(ValueError, match="prompts_ids"):
         generate(model, TOKENIZER, [[3, 10_000]], Sampling(max_new_tokens=4))
-    with pytest.raises(ValueError, match="prompts_ids: token ids must be integers"):
+    with pytest.raises(ValueError, match="prompts_ids: prompt 1 holds token ids that are not integers"):
         generate(model, TOKENIZER, [[3, 4], [5.0, 6]], Sampling(max_new_tokens=4))
     with pytest.raises(ValueError, match="max_new_tokens"):
         generate(model, TOKENIZER, [[3] * 10], Sampling(max_new_tokens=55))  # 65 > 64 positions

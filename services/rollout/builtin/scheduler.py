@@ -133,8 +133,7 @@ class Scheduler:
         self.runner.begin(temperature=sampling_.temperature, top_p=sampling_.top_p,
                           max_new_tokens=sampling_.max_new_tokens, stop_ids=stop_ids)
         # The caller's lists as they are (`_admit` copies them once their prefill is queued)
-        waiting = deque(_Waiting(i, p if type(p) is list else list(p), list(range(n)))
-                        for i, p in enumerate(prompts_ids))
+        waiting = deque(_Waiting(i, p, list(range(n))) for i, p in enumerate(packed.as_lists(prompts_ids)))
         rows: list[_Row] = []
         results: list[Generation | None] = [None] * (len(prompts_ids) * n)
         made = []  # tokens made per row, as of the last check

@@ -146,7 +146,8 @@ class SglangEngine:
     # ---- generation ---------------------------------------------------------------------------
     def generate(self, prompts_ids: list[list[int]], sampling: Sampling,
                  cancelled: Callable[[], bool] | None = None) -> tuple[list[Generation], int]:
-        validate_prompts(prompts_ids, sampling, self.model_config.vocab_size, self.max_positions)
+        packed = validate_prompts(prompts_ids, sampling, self.model_config.vocab_size, self.max_positions)
+        prompts_ids = packed.as_lists(prompts_ids)  # (JSON to the server: Python ints)
         with self._lock:
             if not self.serving or self.released:
                 raise EngineUnavailable(self.last_error or f"memory released: {sorted(self.released)}")
