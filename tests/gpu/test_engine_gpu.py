@@ -302,7 +302,8 @@ def test_graphs_replay_exactly_what_the_eager_runner_computes_and_seeds_reproduc
     sampled = Sampling(temperature=0.9, top_p=0.95, max_new_tokens=24, n=3, seed=7, ignore_eos=True)
     graphs = GenerationCore(model, TOKENIZER, torch.device("cuda"), CoreSettings(max_batch_size=16))
     a, b = graphs.generate(prompts, sampled), graphs.generate(prompts, sampled)
-    assert graphs.runner._prefill_graphs  # prefills replayed too
+    assert graphs.runner._prefill_graphs  # prefills replayed too, as two graphs: the first layer, the rest
+    assert all(len(prefill.graphs) == 2 for prefill in graphs.runner._prefill_graphs.values())
     eager = GenerationCore(model, TOKENIZER, torch.device("cuda"), CoreSettings(max_batch_size=16, cuda_graphs=False))
     c = eager.generate(prompts, sampled)  # the same kernels launched one by one: the same numbers
     assert [r.output_ids for r in a] == [r.output_ids for r in b] == [r.output_ids for r in c]

@@ -81,10 +81,11 @@ class PagedDecoder:
         return self.ops.output_linear(hidden, self.model.output_weight)
 
     def prefill(self, tokens: torch.Tensor, lengths: torch.Tensor, slots: torch.Tensor,
-                out: torch.Tensor | None = None) -> torch.Tensor:
+                out: torch.Tensor | None = None, after_layer=None) -> torch.Tensor:
         """Logits [G, V] at the last real token of each right-padded prompt (tokens [G, P],
         lengths [G]), after writing every prompt token's key and value to cache slots [G, P];
-        written into `out` [G, V] if given."""
+        written into `out` [G, V] if given. `after_layer(index)` is called after each layer's
+        work is queued (the runner captures a prefill's first layer as a graph of its own)."""
         groups, length = tokens.shape
         positions = torch.arange(length, device=tokens.device).expand(groups, length).reshape(-1)
 
@@ -105,7 +106,7 @@ class PagedDecoder:
         # Only each prompt's last token needs the last layer's o product and MLP: every token's
         # key and value are in the cache once that layer has attended.
         wanted = torch.arange(groups, device=tokens.device) * length + lengths - 1
-        last = self._layers(tokens.reshape(-1), attend, wanted)  # [G, hidden]
+        last = self._layers(tokens.reshape(-1), attend, wanted, after_layer)  # [G, hidden]
         if out is None:
             return F.linear(last, self.model.output_weight)
         return torch.mm(last, self.model.output_weight.t(), out=out)
@@ -115,7 +116,8 @@ class PagedDecoder:
         attn = self.model.model.layers[layer_index].self_attn
         return getattr(attn.q_norm, "weight", None), getattr(attn.k_norm, "weight", None)
 
-    def _layers(self, tokens: torch.Tensor, attend, wanted: torch.Tensor | None = None) -> torch.Tensor:
+    def _layers(self, tokens: torch.Tensor, attend, wanted: torch.Tensor | None = None,
+                after_layer=None) -> torch.Tensor:
         """The decoder layers over tokens [T]; `attend(layer, q, k, v)` (the q/k/v product's
         outputs) rotates, stores keys and values, and attends: prefill and decode differ there.
         With `wanted` (indices [W] into T) the output is those tokens' hidden states [W, hidden],
@@ -143,5 +145,7 @@ class PagedDecoder:
                 x = ops.gated_mlp(h, self.fused[index].gate_up, mlp.down_proj.weight, mlp.down_proj.bias)
             else:
                 x = ops.silu_mul_linear(mlp.gate_proj(h), mlp.up_proj(h), mlp.down_proj.weight, mlp.down_proj.bias)
+            if after_layer is not None:
+                after_layer(index)
         h, _ = ops.add_rmsnorm(x, residual, self.model.model.norm.weight, eps)
         return h
