@@ -94,7 +94,6 @@ class PackedPrompts:
         at = numpy.where(real, self.starts[index][:, None] + columns, 0)
         return numpy.where(real, self.flat[at], fill)
 
-
     def prompt(self, index: int) -> list[int]:
         """Prompt `index`'s ids as Python ints."""
         start = int(self.starts[index])

@@ -235,6 +235,7 @@ def test_prompts_are_checked_and_packed_once_whatever_sequences_hold_them():
     # any subset, in any order, right-padded: what a prefill of those prompts reads
     assert packed.rows([2, 0], 4, fill=-1).tolist() == [[9, 10, -1, -1], [5, 6, 7, -1]]
     assert packed.rows([], 2).shape == (0, 2)
+    assert _core(_model()).generate([], sampling) == []  # no prompts: no completions, no error
     with pytest.raises(ValueError, match="a prompt of 3 ids does not fit in 2"):
         packed.rows([0], 2)
     model = _model()

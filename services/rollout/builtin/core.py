@@ -85,6 +85,8 @@ class GenerationCore:
     def generate(self, prompts_ids: list[list[int]], sampling: Sampling,
                  cancelled: Callable[[], bool] | None = None) -> list[Generation]:
         packed = validate_prompts(prompts_ids, sampling, self.config.vocab_size, self.config.max_position_embeddings)
+        if not len(packed.lengths):
+            return []  # no prompts, no completions (as the eager loop answers)
         started = time.perf_counter()
         longest = int(packed.lengths.max()) + sampling.max_new_tokens
         self._ensure(longest, len(prompts_ids) * sampling.n)
