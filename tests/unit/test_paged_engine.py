@@ -259,6 +259,33 @@ def test_prompts_are_checked_and_packed_once_whatever_sequences_hold_them():
             validate_prompts([bad], sampling, 100, 64)
 
 
+def test_an_admission_takes_the_blocks_one_allocation_a_prompt_would_take(monkeypatch):
+    """The scheduler plans an admission, then takes all its blocks in one allocation: each row
+    must get the blocks it got when each prompt allocated its own (the prompt's full blocks
+    shared by its samples, then each sample's own), and every block must come back."""
+    from services.rollout.builtin.kv_cache import BlockAllocator
+
+    core = _core(_model(), max_batch_size=16)
+    prompts = [LONG, _prompts()[1], _prompts()[0]]  # 2 full blocks and a partial one; partial ones
+    sampling = Sampling(temperature=1.0, max_new_tokens=10, n=3, seed=3, ignore_eos=True)
+    core.generate(prompts, sampling)  # makes the pool; its frees leave the free list in some order
+    reference = BlockAllocator(core.cache.num_blocks)
+    reference._free = list(core.cache.allocator._free)  # the same state
+    tables = []
+    plain_start = core.runner.start
+    monkeypatch.setattr(core.runner, "start", lambda logits, rows, first, mode: (
+        tables.extend(row.block_table for row in rows), plain_start(logits, rows, first, mode)))
+    core.generate(prompts, sampling)
+    bs, expected = core.cache.shape.block_size, []
+    for prompt in prompts:  # one allocation a prompt, as before
+        shared, per_row = len(prompt) // bs, -(-(len(prompt) + sampling.max_new_tokens) // bs)
+        own = per_row - shared
+        blocks = reference.allocate(shared + sampling.n * own)
+        expected += [blocks[:shared] + blocks[shared + i * own : shared + (i + 1) * own] for i in range(sampling.n)]
+    assert tables == expected
+    assert _free_blocks_all_back(core)
+
+
 def test_padded_host_tensors_hold_the_rows_and_their_fill():
     from services.rollout.builtin.runner import padded
 
