@@ -89,7 +89,7 @@ class PackedPrompts:
             raise ValueError(f"PackedPrompts.rows: a prompt of {int(lengths.max())} ids does not fit in {width}")
         columns = numpy.arange(width, dtype=numpy.int64)
         real = columns < lengths[:, None]
-        if not real.any():
+        if not self.flat.size:  # (no ids at all: nothing to gather from)
             return numpy.full((len(index), width), fill, dtype=numpy.int64)
         at = numpy.where(real, self.starts[index][:, None] + columns, 0)
         return numpy.where(real, self.flat[at], fill)
