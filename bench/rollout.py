@@ -2,7 +2,8 @@
 
 The decode roofline is the tokens/s a device could give if each decode step only had to read
 the bytes it needs (every weight once, plus the live KV cache of every row) at the streaming
-read bandwidth measured here (a sum over a 4 GB tensor). `ratio` is measured tokens/s over it.
+read bandwidth measured here (`read_bandwidth`: sums over a 4 GB tensor, the faster of torch's
+and a read-only kernel's). `ratio` is measured tokens/s over it.
 Prints JSON lines and, with --png, plots them.
 
 - `sweep`: random bf16 weights, 64-token prompts, ignore_eos, 128 new tokens, at batch 1, 16, 64
@@ -88,18 +89,48 @@ def make_model(shape: str, dtype: torch.dtype, device: str) -> DecoderLM:
 
 
 def read_bandwidth(device: str) -> float:
-    """Bytes/s of a sum over 4 GB (256 MB on a CPU), the median of 5 after a warm-up."""
-    nbytes = 4 << 30 if device != "cpu" else 256 << 20
-    x = torch.ones(nbytes // 2, dtype=torch.bfloat16, device=device)
-    times = []
-    for _ in range(6):
-        _sync(device)
-        start = time.perf_counter()
+    """Bytes/s this device streams reads at: on a GPU the faster of two sums over 4 GB, torch's
+    and a read-only Triton kernel (`read_kernel.py`), each the median of 20 timed by CUDA
+    events (each queued behind an untimed one, so no launch gap is timed) after half a second
+    of sums (an idle GPU starts at a low clock); on a CPU a sum over 256 MB, the median of 5
+    after one.
+
+    Until 2026-12-03 (session 27) a GPU's figure was torch's sum alone, the median of 5 timed on
+    the host after one: three such readings in one process gave 4.10, 4.18 and 3.92 TB/s, the
+    sweep's ratios moving with them, while torch's sum after a warm-up read 4.11-4.19 and the
+    read kernel 4.49-4.53 (bench/experiments/bandwidth.py, bench/results/bandwidth-experiment-*):
+    the roofline was ~9% low, and noisy."""
+    if device == "cpu":
+        x = torch.ones((256 << 20) // 2, dtype=torch.bfloat16)
+        times = []
+        for _ in range(6):
+            start = time.perf_counter()
+            x.sum()
+            times.append(time.perf_counter() - start)
+        return x.numel() * 2 / sorted(times[1:])[2]
+    from bench.read_kernel import read_sum
+
+    x = torch.ones((4 << 30) // 2, dtype=torch.bfloat16, device=device)
+    kernel = read_sum(x)
+    warm_until = time.perf_counter() + 0.5
+    while time.perf_counter() < warm_until:
         x.sum()
-        _sync(device)
-        times.append(time.perf_counter() - start)
+        kernel()
+        torch.cuda.synchronize(device)
+    best = 0.0
+    for fn in (x.sum, kernel):
+        times = []
+        for _ in range(20):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            fn()  # untimed: the device is busy with it while the timed one is launched
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        best = max(best, x.numel() * 2 / sorted(times)[10])
     del x
-    return nbytes / sorted(times[1:])[2]
+    return best
 
 
 def _sync(device: str) -> None:
