@@ -27,17 +27,22 @@ from services.rollout.builtin.pointwise_kernels import _silu_times  # noqa: E402
 
 
 @triton.jit
-def _gate_up_silu_kernel(x_ptr, w_ptr, out_ptr, M, I, K, stride_x, stride_out, BLOCK_M: tl.constexpr,
-                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
-    """out [M, I] = silu(x w[:I]^T) * (x w[I:]^T), each product rounded to bf16 first."""
-    pid = tl.program_id(0)
+def _tile(pid, M, I, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """The (row block, column block) of program `pid`, GROUP_M row blocks at a time (weight
+    blocks shared through L2)."""
     num_m = tl.cdiv(M, BLOCK_M)
     num_n = tl.cdiv(I, BLOCK_N)
     in_group = GROUP_M * num_n
     first_m = (pid // in_group) * GROUP_M
     size_m = tl.minimum(num_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % in_group) % size_m
-    pid_n = (pid % in_group) // size_m
+    return first_m + (pid % in_group) % size_m, (pid % in_group) // size_m
+
+
+@triton.jit
+def _gate_up_silu_kernel(x_ptr, w_ptr, out_ptr, M, I, K, stride_x, stride_out, BLOCK_M: tl.constexpr,
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+    """out [M, I] = silu(x w[:I]^T) * (x w[I:]^T), each product rounded to bf16 first."""
+    pid_m, pid_n = _tile(tl.program_id(0), M, I, BLOCK_M, BLOCK_N, GROUP_M)
     m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     kk = tl.arange(0, BLOCK_K)
@@ -65,14 +70,7 @@ def _gate_up_silu_kernel(x_ptr, w_ptr, out_ptr, M, I, K, stride_x, stride_out, B
 def _gate_up_silu_tma_kernel(x_desc, g_desc, u_desc, out_desc, M, I, K, BLOCK_M: tl.constexpr,
                              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     """The same, operands and output through TMA descriptors."""
-    pid = tl.program_id(0)
-    num_m = tl.cdiv(M, BLOCK_M)
-    num_n = tl.cdiv(I, BLOCK_N)
-    in_group = GROUP_M * num_n
-    first_m = (pid // in_group) * GROUP_M
-    size_m = tl.minimum(num_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % in_group) % size_m
-    pid_n = (pid % in_group) // size_m
+    pid_m, pid_n = _tile(tl.program_id(0), M, I, BLOCK_M, BLOCK_N, GROUP_M)
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     for k in range(0, K, BLOCK_K):
