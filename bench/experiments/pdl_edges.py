@@ -252,27 +252,19 @@ class EdgedGraph(torch.cuda.CUDAGraph):
 
 
 @triton.jit
-def _spin_write(x_ptr, n, ns, BLOCK: tl.constexpr):
-    """Let the next kernel launch, spin `ns` nanoseconds, then write x = 1."""
+def _spin_write(x_ptr, n, ns, BLOCK: tl.constexpr, LATE: tl.constexpr):
+    """Spin `ns` nanoseconds, then write x = 1; the next kernel may launch at once or, LATE,
+    only after the write (`_fence_and_trigger`)."""
     tl.extra.cuda.gdc_wait()
-    tl.extra.cuda.gdc_launch_dependents()
+    if not LATE:
+        tl.extra.cuda.gdc_launch_dependents()
     start = tl.extra.cuda.globaltimer()
     while tl.extra.cuda.globaltimer() - start < ns:
         pass
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     tl.store(x_ptr + offs, tl.full((BLOCK,), 1.0, x_ptr.dtype.element_ty), mask=offs < n)
-
-
-@triton.jit
-def _spin_write_late(x_ptr, n, ns, BLOCK: tl.constexpr):
-    """Spin `ns` nanoseconds, write x = 1, then let the next kernel launch (`_fence_and_trigger`)."""
-    tl.extra.cuda.gdc_wait()
-    start = tl.extra.cuda.globaltimer()
-    while tl.extra.cuda.globaltimer() - start < ns:
-        pass
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    tl.store(x_ptr + offs, tl.full((BLOCK,), 1.0, x_ptr.dtype.element_ty), mask=offs < n)
-    _fence_and_trigger()
+    if LATE:
+        _fence_and_trigger()
 
 
 def probe(kernels=("early", "late")) -> None:
@@ -290,7 +282,6 @@ def probe(kernels=("early", "late")) -> None:
                 want = F.linear(torch.ones_like(x), w)
                 for path, kernel in [(p, k) for k in kernels for p in ("F.linear", "ops.linear")]:
                     product = F.linear if path == "F.linear" else ops.linear
-                    spin = _spin_write if kernel == "early" else _spin_write_late
                     product(torch.ones_like(x), w)  # choose, tune, warm up outside the capture
                     torch.cuda.synchronize()
                     graph = torch.cuda.CUDAGraph(keep_graph=True)
@@ -298,7 +289,8 @@ def probe(kernels=("early", "late")) -> None:
                     with torch.cuda.stream(stream):
                         graph.capture_begin()
                         x.zero_()
-                        spin[(triton.cdiv(x.numel(), 4096),)](x, x.numel(), 50_000, BLOCK=4096, launch_pdl=True)
+                        _spin_write[(triton.cdiv(x.numel(), 4096),)](x, x.numel(), 50_000, BLOCK=4096,
+                                                                     LATE=kernel == "late", launch_pdl=True)
                         out = product(x, w)
                         graph.capture_end()
                     raw = ctypes.c_void_p(graph.raw_cuda_graph())
