@@ -25,6 +25,8 @@ for stage in "$@"; do
     gpu-tests-a) timeout 560 python3 -m pytest -q --timeout 240 -rA tests/gpu/test_[c-m]*.py 2>&1 | tee "$OUT/gpu-tests-a.log" | grep -E "PASS|FAIL|ERROR|passed|failed|^E " | tail -60 ;;
     gpu-tests-b) timeout 560 python3 -m pytest -q --timeout 240 -rA tests/gpu/test_[n-z]*.py 2>&1 | tee "$OUT/gpu-tests-b.log" | grep -E "PASS|FAIL|ERROR|passed|failed|^E " | tail -60 ;;
     sweep) timeout 300 python3 bench/rollout.py --device cuda --parts sweep --out "$OUT/rollout.jsonl" --png "$OUT/rollout.png" ;;
+    parity) timeout 560 python3 bench/parity.py --device cuda --graphs ${PARITY_GRAPHS:-on,off} --out "$OUT/parity.jsonl" --png "$OUT/parity.png" 2>&1 | tee "$OUT/parity.log" | grep -vE "^\{" ;;
+    parity-tests) timeout 400 python3 -m pytest -q --timeout 300 -rA tests/gpu/test_parity_gpu.py tests/gpu/test_engine_gpu.py 2>&1 | tee "$OUT/parity-tests.log" | grep -E "PASS|FAIL|ERROR|passed|failed|^E " | tail -40 ;;
     kernels) timeout 300 python3 bench/decode_kernels.py --out "$OUT/decode_kernels.jsonl" 2>&1 | tee "$OUT/decode_kernels.log" | grep "^#" ;;
     sweep-quick) timeout 200 python3 bench/rollout.py --device cuda --parts sweep --repeats 1 --no-profile --out "$OUT/rollout.jsonl" ;;
     rl) timeout 420 python3 bench/rollout.py --device cuda --parts rl --out "$OUT/rollout.jsonl" ;;

@@ -214,8 +214,8 @@ def _decode_attention_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, pos_ptr, out_ptr, ac
                 m, l, acc = _attend_tile(q, k1, v1, ok1[None, :], m, l, acc, scale, IEEE)
             loop_start += BLOCK_N
     else:
-        q = tl.load(q_ptr + (row * NUM_HEADS + heads)[:, None] * HEAD_DIM + d[None, :],
-                    mask=head_ok[:, None] & dim_ok[None, :], other=0.0)
+        q = tl.load(q_ptr + row * stride_q + heads[:, None] * HEAD_DIM + d[None, :],
+                    mask=head_ok[:, None] & dim_ok[None, :], other=0.0)  # rows stride_q apart, as given
     for first in range(loop_start, cached_end, BLOCK_N):
         k, v, ok = _kv_tile(kc_ptr, vc_ptr, bt_ptr, row, stride_bt, kv_head, first, cached_end, n, d, dim_ok,
                             NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE)

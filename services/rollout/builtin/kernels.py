@@ -202,6 +202,10 @@ class TritonOps(TorchOps):
         cache slot is found through the block table in the kernel."""
         num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2]
         batch, num_heads = q.shape[0], (q.shape[1] // head_dim if rope else q.shape[1])
+        # The kernel takes rows q.stride(0) apart (`qk_rope_cache`'s q is a view with the keys
+        # between rows) and each row's heads packed, D apart.
+        if (q.stride(-1) != 1 or (not rope and q.stride(1) != head_dim)):
+            q = q.contiguous()
         unread = q  # the pointers a variant does not read
         k, v, q_norm, k_norm, eps, table = rope or (unread, unread, None, None, 0.0, unread)
         group = num_heads // num_kv_heads
