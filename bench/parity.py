@@ -244,6 +244,11 @@ def matrix(archs, head_dims, batches, device: torch.device, graph_modes, tie: fl
     return cases
 
 
+def _case(line: dict) -> Case:
+    names = set(Case.__dataclass_fields__)
+    return Case(**{k: v for k, v in line.items() if k in names})
+
+
 def table(cases: list[Case], slack: float) -> str:
     lines = [f"{'arch':6} {'tied':5} {'D':>4} {'batch':>5} {'graphs':>6} {'equal':>7} {'ties':>4} {'wrong':>5} "
              f"{'bf16 max':>8} {'bf16 mean':>9} {'err':>6} {'hf err':>6} ok"]
@@ -255,7 +260,7 @@ def table(cases: list[Case], slack: float) -> str:
     return "\n".join(lines)
 
 
-def plot(cases: list[Case], path: Path, slack: float) -> None:
+def plot(cases: list[Case], path: Path, slack: float, stamp: str | None = None) -> None:
     """One panel per batch: rows are (arch, tied, graphs), columns head dims; the colour is the
     fraction of rows equal to transformers, a cross marks wrong rows."""
     import matplotlib
@@ -282,8 +287,9 @@ def plot(cases: list[Case], path: Path, slack: float) -> None:
                                          for a, t, g in keys], fontsize=7)
         ax.set_xlabel("head dim")
         ax.set_title(f"batch {batch}")
-    fig.suptitle(f"built-in engine vs transformers, greedy fp32 rows equal (x: wrong tokens, or bf16 over {slack}x transformers' error)\n"
-                 f"{machine()}, {commit()}, {time.strftime('%Y-%m-%d')}", fontsize=9)
+    stamp = stamp or f"{machine()}, {commit()}, {time.strftime('%Y-%m-%d')}"
+    fig.suptitle(f"built-in engine vs transformers, greedy fp32 rows equal "
+                 f"(x: wrong tokens, or bf16 over {slack}x transformers' error)\n{stamp}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -302,7 +308,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, help="append the JSON lines here")
     parser.add_argument("--png", type=Path)
+    parser.add_argument("--from-jsonl", type=Path, nargs="+",
+                        help="no run: the table and --png of cases these files hold (runs of several modes in one)")
     args = parser.parse_args(argv)
+    if args.from_jsonl:
+        lines = [line for path in args.from_jsonl for line in map(json.loads, path.read_text().splitlines())
+                 if line.get("metric") == "parity"]
+        cases = [_case(line) for line in lines]
+        print(table(cases, args.bf16_slack))
+        if args.png and lines:
+            plot(cases, args.png, args.bf16_slack, f"{lines[0]['machine']}, {lines[0]['commit']}, {lines[0]['date']}")
+        return 1 if any(not c.ok(args.bf16_slack) for c in cases) else 0
     device = torch.device(args.device)
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = False  # the float32 reference in float32
