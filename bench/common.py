@@ -14,7 +14,7 @@ from typing import Callable
 
 
 def commit() -> str:
-    """The commit measured: RLFLEET_COMMIT when set (the device machine gets no .git), else git's."""
+    """The commit measured: RLFLEET_COMMIT when set (a copy without .git), else git's."""
     if os.environ.get("RLFLEET_COMMIT"):
         return os.environ["RLFLEET_COMMIT"]
     try:
@@ -88,3 +88,41 @@ def median_seconds(fn: Callable[[], None], repeats: int = 3, warmup: int = 1) ->
         fn()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
+
+
+def machine_key(name: str) -> str:
+    """A results file's machine part: `cpu`, `nvidia-h200`, `nvidia-h200-x2`, ... from `machine()`."""
+    import re
+
+    lower = name.lower()
+    if lower.endswith(" cpu"):
+        return "cpu"
+    gpu = re.sub(r"[^a-z0-9]+", "-", lower.removeprefix("nvidia ").split(" x")[0])
+    gpu = re.sub(r"-(\d+gb|hbm\w*|sxm\w*|pcie)\b", "", gpu).strip("-")
+    count = re.search(r" x(\d+)$", lower)
+    return f"nvidia-{gpu}" + (f"-x{count.group(1)}" if count and count.group(1) != "1" else "")
+
+
+def publish(bench: str, run: Path, results: Path = Path(__file__).parent / "results") -> Path:
+    """Make a finished run (its JSON lines in `run`) the current result of `bench` on its machine,
+    `<bench>-<machine>.jsonl`, and append its lines to `<bench>-history.jsonl`."""
+    lines = [line for line in run.read_text().splitlines() if line.strip()]
+    if not lines:
+        raise ValueError(f"{run}: no result lines")
+    current = results / f"{bench}-{machine_key(json.loads(lines[0]).get('machine', machine()))}.jsonl"
+    current.write_text("\n".join(lines) + "\n")
+    with (results / f"{bench}-history.jsonl").open("a") as history:
+        history.write("\n".join(lines) + "\n")
+    return current
+
+
+if __name__ == "__main__":
+    import argparse
+
+    parser = argparse.ArgumentParser(description="Publish a benchmark run as the current result, "
+                                     "appended to the history: python bench/common.py publish BENCH RUN.jsonl")
+    parser.add_argument("command", choices=["publish"])
+    parser.add_argument("bench")
+    parser.add_argument("run", type=Path)
+    args = parser.parse_args()
+    print(publish(args.bench, args.run))

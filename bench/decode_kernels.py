@@ -6,7 +6,7 @@ CUPTI records them inside graph replays): calls per step, microseconds per step.
 do not cover is launch gaps and host time. Also reports the step's bytes at the streaming read
 bandwidth measured in the same run (the roofline of `bench/rollout.py`).
 
-    python bench/decode_kernels.py --shapes 0.5b --batches 16,256 --json --out bench/results/decode_kernels-....jsonl
+    python bench/decode_kernels.py --shapes 0.5b --batches 16,256 --json --out run.jsonl && python bench/common.py publish decode_kernels run.jsonl
 """
 
 from __future__ import annotations
@@ -91,6 +91,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="(the lines are JSON either way)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("decode_kernels: needs a CUDA GPU (it profiles the Triton kernels of a decode step)", file=sys.stderr)
+        return 2
     bandwidth = read_bandwidth("cuda")
     for shape in args.shapes.split(","):
         for batch in (int(b) for b in args.batches.split(",")):

@@ -1,16 +1,24 @@
 #!/usr/bin/env bash
-# One device-machine session: install the carried wheels, then run the stages named in $@
-# (gpu-tests-a and -b, engine-tests, kernels, sweep, rl, gap, ...), each under its own time limit, logs and results in $OUT.
-#   bash bench/device.sh engine-tests sweep
-# Stage sglang reads SGLang's contract from a slice of the pinned wheel, carried as .whl-sglang/*.zip:
-#   (cd $(mktemp -d) && unzip -q ~/.cache/rlfleet/sglang-0.5.23/*.whl 'sglang/api/*' 'sglang/srt/*' &&
-#    zip -qr sglang-0.5.23-slim.zip sglang/api sglang/srt/entrypoints sglang/srt/managers/io_struct.py \
-#      sglang/srt/utils sglang/srt/weight_sync sglang/srt/models sglang/srt/model_loader/weight_utils.py && mv sglang-0.5.23-slim.zip -t .../.whl-sglang/)
+# GPU tests and benchmarks on any CUDA machine, one stage after another, each under its own time limit:
+#   bash bench/device.sh gpu-tests-a gpu-tests-b      # the whole GPU suite (two stages of < 10 minutes each)
+#   bash bench/device.sh parity sweep kernels         # benchmarks: results and PNGs land in $OUT
+# Stages: gpu-tests-a, gpu-tests-b, engine-tests, parity-tests, service-tests, lifecycle, ppo, sglang,
+# megatron-tests, parity, sweep, sweep-quick, rl, gap, kernels, train-bench, train-bench-quick.
+# OUT (default ./bench-out) receives logs and result files. Python packages come from the environment;
+# on a machine with no package index, put wheels in .whl/ (and megatron-core's in .whl-mcore/) and they
+# are installed under /tmp/site first. Stage sglang reads SGLang's request types from the pinned wheel
+# (or a zip of its sglang/ folders) in .whl-sglang/.
 set -uo pipefail
-export PYTHONUNBUFFERED=1 RLFLEET_COMMIT=${RLFLEET_COMMIT:-unknown}
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl $(ls .whl-mcore/*.whl 2>/dev/null) || exit 1
-export PYTHONPATH=/tmp/site:$PWD
-OUT=${OUT:-/tmp/out}
+export PYTHONUNBUFFERED=1
+export RLFLEET_COMMIT=${RLFLEET_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+wheels=$(ls .whl/*.whl .whl-mcore/*.whl 2>/dev/null)
+if [ -n "$wheels" ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site $wheels || exit 1
+  export PYTHONPATH=/tmp/site:$PWD
+else
+  export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+fi
+OUT=${OUT:-$PWD/bench-out}
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv,noheader
 for stage in "$@"; do

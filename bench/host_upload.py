@@ -7,7 +7,7 @@ their "fast" fingerprints (services/weights/staging.py), with the GPU quiet and 
 another allocation of --free-gib was freed, against a pinned host->device copy of the same bytes
 measured in the same run. Prints one JSON line per case.
 
-    python bench/host_upload.py --gb 9 --out bench/results/host_upload-<machine>-$(date +%F).jsonl
+    python bench/host_upload.py --gb 9 --out run.jsonl && python bench/common.py publish host_upload run.jsonl
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ any error, and the engine process's peak memory. The limit measured in the same 
 engine's throughput on one call holding as many prompts as all clients together: `ratio` is how
 much of it the concurrent clients get.
 
-    python bench/load.py --clients 32 --seconds 20 --out bench/results/load-cpu-$(date +%F).jsonl
+    python bench/load.py --clients 32 --seconds 20 --out run.jsonl && python bench/common.py publish load run.jsonl
 """
 
 from __future__ import annotations

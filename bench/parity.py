@@ -21,7 +21,8 @@ every row decodes across more of them.
 On a GPU every case runs with CUDA graphs on and off (the Triton kernels); on a CPU the torch ops.
 One JSON line per case, a table last, a PNG of the matrix with --png; exit status 1 on any failure.
 
-    python bench/parity.py --device cuda --out bench/results/parity.jsonl --png bench/results/parity.png
+    python bench/parity.py --device cuda --out run.jsonl --png bench/results/parity-<machine>.png
+    python bench/common.py publish parity run.jsonl   # the current result, appended to the history
     python bench/parity.py --device cpu --head-dims 32,48 --batches 1,8 --archs llama   # a quick look
 """
 

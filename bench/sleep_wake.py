@@ -5,7 +5,7 @@ the device memory; wake moves them back host->device. The physical limits are on
 device->host and host->device copy. Needs a CUDA device; prints JSON lines
 {"metric", "gbps", "limit_gbps", "ratio", ...} and appends them to --out.
 
-    python bench/sleep_wake.py --out bench/results/sleep_wake-$(date +%F).jsonl
+    python bench/sleep_wake.py --out run.jsonl && python bench/common.py publish sleep_wake run.jsonl
 """
 
 from __future__ import annotations

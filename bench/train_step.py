@@ -6,7 +6,7 @@ weights. MFU is 6 * parameters * tokens / step time against the datasheet dense 
 (989 TFLOP/s on an H200); the bf16 matmul rate measured in the same run is the physical limit
 beside it (`ratio_to_matmul`). Attention FLOPs are not counted, as the 6N rule does not.
 
-    python bench/train_step.py --json --out bench/results/train_step-<machine>-<date>.jsonl --png ...
+    python bench/train_step.py --json --out run.jsonl --png bench/results/train_step-<machine>.png && python bench/common.py publish train_step run.jsonl
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ as the coordinator sees it (manifest, transfer, verification, load) after a trai
 sync packs new weights, and the limit is measured again right after each timed sync (medians of
 both are compared). Prints one JSON line per plane; --out appends them to a file.
 
-    python bench/weight_sync.py --json --mb 512 --out bench/results/weight_sync-cpu-$(date +%F).jsonl
+    python bench/weight_sync.py --json --mb 512 --out run.jsonl && python bench/common.py publish weight_sync run.jsonl
 """
 
 from __future__ import annotations

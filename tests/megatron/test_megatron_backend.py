@@ -106,7 +106,7 @@ def test_tensor_parallel_2_is_the_torch_model(trainers, model_dir, tmp_path):
     # The step moved both models the same way; the sync now reads the new weights. Adam's first
     # step moves a weight by up to lr (1e-2) whatever its gradient's size, so gradients that differ
     # in the last bits (two ranks' partial sums over gloo against one sum) move it differently by
-    # ~0.1% of that: 1.04e-5 on one o_proj element on a 2026-12-02 CPU. 1% of lr is "the same way".
+    # ~0.1% of that (1.04e-5 on one o_proj element, measured on a CPU). 1% of lr is "the same way".
     after = _hf_weights(rank0)
     for name, tensor in _hf_weights(torch_trainer).items():
         assert torch.allclose(after[name], tensor, atol=1e-4), name
