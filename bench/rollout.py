@@ -22,7 +22,7 @@ Prints JSON lines and, with --png, plots them.
 - `gap`: |engine logprob - trainer logprob| for the same tokens (the trainer's full forward),
   mean and max, in bf16 and float32.
 
-    python bench/rollout.py --device cuda --json --out bench/results/rollout-nvidia-h200-$(date +%F).jsonl --png bench/results/rollout-nvidia-h200.png
+    python bench/rollout.py --device cuda --json --out bench/results/rollout-nvidia-h200.jsonl --png bench/results/rollout-nvidia-h200.png
     python bench/rollout.py --device cpu --shapes tiny --json     # CPU: a small shape only
 """
 
@@ -95,11 +95,10 @@ def read_bandwidth(device: str) -> float:
     of sums (an idle GPU starts at a low clock); on a CPU a sum over 256 MB, the median of 5
     after one.
 
-    Until 2026-12-03 (session 27) a GPU's figure was torch's sum alone, the median of 5 timed on
-    the host after one: three such readings in one process gave 4.10, 4.18 and 3.92 TB/s, the
-    sweep's ratios moving with them, while torch's sum after a warm-up read 4.11-4.19 and the
-    read kernel 4.49-4.53 (bench/experiments/bandwidth.py, bench/results/bandwidth-experiment-*):
-    the roofline was ~9% low, and noisy."""
+    Why both, timed so: on an H200, torch's sum alone timed on the host (the median of 5 after
+    one) gave 4.10, 4.18 and 3.92 TB/s in three readings in one process, while after a warm-up
+    torch's sum read 4.11-4.19 and the read kernel 4.49-4.53; this measure reads 4.531, 4.531
+    and 4.530 (docs/design/engine-tuning.md)."""
     if device == "cpu":
         x = torch.ones((256 << 20) // 2, dtype=torch.bfloat16)
         times = []
@@ -150,8 +149,8 @@ def kv_bytes_per_token(model: DecoderLM) -> int:
 def timed(fn, device: str) -> float:
     """Seconds fn() takes, its device work included. What it returns is freed after the clock
     stops: freeing a 256-row call's results (256 x 128 tokens and logprobs as Python objects)
-    took 0.6-1.0 ms on the H200's host (bench/experiments/call_tail.py), the caller's cost
-    whenever it drops them, not the call's. Until 2026-12-03 (session 26) it was inside the clock."""
+    took 0.6-1.0 ms on an H200 machine's host, the caller's cost whenever it drops them, not the
+    call's."""
     _sync(device)
     start = time.perf_counter()
     result = fn()
@@ -193,7 +192,7 @@ def sweep(shape: str, batches: list[int], device: str, bandwidth: float, args) -
         print(f"# {shape} batch {batch}: {line['tokens_per_s']} tokens/s ({line['ratio']} of the roofline)",
               file=sys.stderr, flush=True)
     # Profiled only once every batch is timed, so that no timing follows a profiler session
-    # (bench/experiments/profiler_after.py measures what one costs the calls after it).
+    # (measured on an H200, one costs the calls after it up to ~1%: docs/design/engine-tuning.md).
     for line, prompts in timed_lines:
         if device != "cpu" and args.profile:
             line["split_ms"] = step_split(core, prompts)

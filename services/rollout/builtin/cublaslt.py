@@ -3,12 +3,13 @@
 `F.linear` runs the first algorithm cuBLASLt's heuristic proposes. For the decode step's large
 products (the MLP's and the output embedding, a few hundred rows against 9-300 MB of weights)
 and a captured prefill's, another of its candidates can finish sooner: at 0.5B, 256 rows, the
-gate/up product took 9.8 against 10.9 us (`bench/experiments/lt_algos.py`,
-`bench/results/lt_algos-experiment-*`). A choice made by timing differs between runs and
-machines, so it is made only among candidates whose output equals F.linear's to the bit (checked
-on the call's own inputs and on random ones): whichever wins, every product, and so every token
-and logprob, is what F.linear gives, and a seed keeps giving the same samples after a restart.
-Candidates that split k differently (other sums) fail that check and are never taken.
+gate/up product took 9.8 against 10.9 us, measured on an H200. A choice made by timing differs
+between runs and machines, so it is made only among candidates whose output equals F.linear's
+to the bit (checked on the call's own inputs and on random ones): whichever wins, every
+product, and so every token and logprob, is what F.linear gives, and a seed keeps giving the
+same samples after a restart. Candidates that split k differently (other sums) fail that check
+and are never taken. (Candidates with other bits, and configurations beyond the heuristic's
+list, were measured too: docs/design/engine-tuning.md.)
 
 `choose` tunes one product shape: it times F.linear and every eligible candidate inside a CUDA
 graph, on copies of the weight together larger than L2 (as the step streams its weights), and

@@ -30,8 +30,8 @@ class _Fused:
 def fuse_projections(model: DecoderLM) -> list[_Fused]:
     """Move each layer's q/k/v and gate/up weights into one tensor each and make the parameters
     views of it: the parameters keep their names, shapes and objects (a weight update copies into
-    them as before), and the forward multiplies by the fused tensor once. Addresses then stay
-    fixed for the engine's life, which captured CUDA graphs need."""
+    them as into any parameter), and the forward multiplies by the fused tensor once. Addresses
+    then stay fixed for the engine's life, which captured CUDA graphs need."""
     fused = []
     with torch.no_grad():
         for layer in model.model.layers:

@@ -52,25 +52,26 @@ class TritonOps(TorchOps):
 
     name = "triton"
     # Attention tile when a row is not split (large batches). On long rows longer tiles pay:
-    # H200, RL-shaped rows of up to 1500 tokens, 0.5B 59.9k -> 64.7k tokens/s, 1.5B 37.5k ->
-    # 41.0k (bench/experiments/attention_tile_rl.py); on rows under 200 tokens they cost the 1.5B
-    # step ~1%. Split rows (small batches) keep 32, the fastest there, as do float32 and heads
-    # wider than 128, whose 64-row tiles may not fit shared memory. A tile is at most 16 KB of
-    # keys: 128 tokens only for heads up to 64 wide. 128 measured on an H100: RL-shaped 0.5B
-    # +3-6% (65.3k -> 67.3k-69.5k tokens/s), the sweep's batch 256 -5% (1522 -> 1604 us a step;
-    # its two 64 KB pipeline stages leave room for 3 programs an SM), with one stage the sweep
-    # the same and RL -8% (bench/results/attention_*-experiment-*-nvidia-h100-*): kept at 64.
+    # measured on an H200, RL-shaped rows of up to 1500 tokens, 32 -> 64 tokens: 0.5B 59.9k ->
+    # 64.7k tokens/s, 1.5B 37.5k -> 41.0k; on rows under 200 tokens 64 costs the 1.5B step ~1%.
+    # Split rows (small batches) keep 32, the fastest there, as do float32 and heads wider than
+    # 128, whose 64-row tiles may not fit shared memory. A tile is at most 16 KB of keys: 128
+    # tokens only for heads up to 64 wide. 128 measured on an H100: RL-shaped 0.5B +3-6% (65.3k
+    # -> 67.3k-69.5k tokens/s), the sweep's batch 256 -5% (1522 -> 1604 us a step; its two 64 KB
+    # pipeline stages leave room for 3 programs an SM), with one stage the sweep the same and RL
+    # -8%: hence 64 (docs/design/engine-tuning.md).
     unsplit_tile = 64
-    attention_warps = 4  # 2 warps or 3 stages: within 2% (bench/results/attention_splits-experiment-*)
+    attention_warps = 4  # 2 warps or 3 stages: within 2% (docs/design/engine-tuning.md)
     attention_stages = 2
     # A decode attention program (RoPE inside) loads its first cached key/value tile before its
     # wait, and its second too where a tile is at most `attention_preload_max_bytes` and rows
     # are split in at most `attention_preload_max_splits` shares (more shares: a share of a
-    # short row is one tile, the second would be empty and only cost registers). H200, decode
-    # step, one tile -> two: 0.5B batch 256 1313 -> 1278 us, batch 64 882 -> 863 (3 shares of
-    # 32-token tiles), batch 16 790 -> 793 (9 shares); 1.5B batch 64 1694 -> 1656, batch 16 1481
-    # -> 1487, batch 256 2533 -> 2689 (its 16 KB tiles: 128-wide heads, 64 tokens)
-    # (bench/experiments/knob_step.py, bench/results/attention_preload-experiment-*).
+    # short row is one tile, the second would be empty and only cost registers). Decode step
+    # measured on an H200, one tile -> two: 0.5B batch 256 1313 -> 1278 us, batch 64 882 -> 863
+    # (3 shares of 32-token tiles), batch 16 790 -> 793 (9 shares); 1.5B batch 64 1694 -> 1656,
+    # batch 16 1481 -> 1487, batch 256 2533 -> 2689 (its 16 KB tiles, 128-wide heads by 64
+    # tokens, take the kernel from 128 to 152 registers a thread: 3 programs an SM instead of 4,
+    # so its 512 programs no longer fit at once; docs/design/engine-tuning.md).
     attention_preload_max_bytes = 8 << 10
     attention_preload_max_splits = 4
     # A decode step's RoPE and key/value store inside the attention kernel (one kernel a layer fewer).
@@ -79,12 +80,11 @@ class TritonOps(TorchOps):
     # `skinny_max_bytes` run as `_skinny_linear_kernel` (bf16 and fp16); the rest go to cuBLAS.
     # That kernel asks L2 for its weight while the kernel before it still runs, which pays where
     # a product is too small to reach the bandwidth: the attention's q/k/v and o products. On
-    # the MLP's (9-55 MB) cuBLAS streams better. H200, decode step at batch 16, 0.5B shape:
-    # cuBLAS 983 us, all products skinny 997, those up to 8 MB 918, up to 10 MB 937; 1.5B 1690,
-    # 2085, 1622 (bench/experiments/skinny_pdl.py, bench/results/skinny_pdl-experiment-*.txt).
-    # Past 16 rows the kernel takes row tiles of 32 or 64, and loses to cuBLAS: q/k/v and o on it
-    # at every batch, 0.5B batch 256 1399 -> 1530 us, 1.5B batch 64 1762 -> 1876; only 0.5B batch
-    # 64 gains (1000 -> 973). Hence 16 (skinny_pdl-experiment-7-*).
+    # the MLP's (9-55 MB) cuBLAS streams better. Measured on an H200, decode step at batch 16,
+    # 0.5B shape: cuBLAS 983 us, all products skinny 997, those up to 8 MB 918, up to 10 MB 937;
+    # 1.5B 1690, 2085, 1622. Past 16 rows the kernel takes row tiles of 32 or 64, and loses to
+    # cuBLAS: q/k/v and o on it at every batch, 0.5B batch 256 1399 -> 1530 us, 1.5B batch 64
+    # 1762 -> 1876; only 0.5B batch 64 gains (1000 -> 973). Hence 16 (docs/design/engine-tuning.md).
     skinny_rows = 16
     skinny_max_bytes = 8 << 20
     skinny_block_n = 64  # weight rows per program: one warpgroup's matrix-unit tile (n32: 0.5B 947 us)
@@ -96,12 +96,12 @@ class TritonOps(TorchOps):
     # `_tile_linear_kernel` in tiles of 64 rows by 32 columns: the attention's q/k/v and o. Timed
     # alone it only matches cuBLAS (0.5B q/k/v at 256 rows: 5.1 against 5.0 us), but launched
     # with PDL it starts, and asks L2 for its weight, while the norm or the attention before it
-    # still runs. H200, decode step: 0.5B batch 64 972 -> 865 us, batch 256 1332 -> 1285; 1.5B
-    # batch 64 1736 -> 1665, but batch 256 (4.7-6.3 MB weights) 2470 -> 2690, hence the smaller
-    # bound past 64 rows (batches 32 and 128 were not measured: 128 keeps cuBLAS for the 1.5B
-    # shape, as before). 64 x 64 tiles, or no L2 request, were within 1% at batch 256 and slower
-    # at 64; the MLP's down product on it (k in 4 shares) gained nothing
-    # (bench/experiments/tile_step.py, bench/results/tile_step-experiment-*).
+    # still runs. Measured on an H200, decode step: 0.5B batch 32 910 -> 827 us, batch 64 972 ->
+    # 865, batch 128 1078 -> 1007, batch 256 1332 -> 1285; 1.5B batch 32 1630 -> 1571, batch 64
+    # 1736 -> 1665, but batch 128 the same and batch 256 (4.7-6.3 MB weights) 2470 -> 2690, hence
+    # the smaller bound past 64 rows, which leaves the 1.5B shape's products there to cuBLAS.
+    # 64 x 64 tiles, or no L2 request, were within 1% at batch 256 and slower at 64; the MLP's
+    # down product on it (k in 4 shares) gained nothing (docs/design/engine-tuning.md).
     tile_max_rows = 512
     tile_max_bytes = 8 << 20
     tile_wide_rows = 64
@@ -110,33 +110,33 @@ class TritonOps(TorchOps):
     tile_warps = 4
     tile_stages = 3
     # Prefill attention of prompts up to this many tokens (the padded length) on
-    # `prefill_attention.py`'s kernel, longer ones on SDPA's (cuDNN's) kernel. H200, a call
-    # prefilling 256 prompts of 64 tokens: 0.5B 28.45 -> 27.38 ms, 1.5B 76.4 -> 76.0; of 128
-    # tokens even (0.5B 50.9 -> 50.7, 1.5B 147.3 -> 148.5); 64 of 512: 0.5B 50.6 -> 52.0, 1.5B
-    # 149.9 -> 153.9 (bench/experiments/prefill_ab.py, bench/results/prefill_ab-experiment-*).
+    # `prefill_attention.py`'s kernel, longer ones on SDPA's (cuDNN's) kernel. Measured on an
+    # H200, SDPA -> this kernel, a call prefilling 256 prompts of 64 tokens: 0.5B 28.45 -> 27.38
+    # ms, 1.5B 76.4 -> 76.0; of 128 tokens even (0.5B 50.9 -> 50.7, 1.5B 147.3 -> 148.5); 64 of
+    # 512: 0.5B 50.6 -> 52.0, 1.5B 149.9 -> 153.9.
     prefill_kernel_max_len = 64
     # The products left to cuBLAS with more than `skinny_rows` rows and at most
     # `tune_max_rows` (the decode step's MLP and output embedding past 16 rows, and the
     # prefills captured as graphs) run on the fastest cuBLASLt algorithm that gives F.linear's
     # bits, where it beats F.linear by `tune_min_gain` timed alone (`cublaslt.choose`, once per
-    # shape, at the eager run before a graph is captured). H200, against F.linear, in one process
-    # (bench/experiments/lt_step.py, bench/results/lt_step-experiment-*): 0.5B batch 256 step
-    # 1244/1261 -> 1225/1234 us and its 256 x 64 prefill (1-token call) 24.9 -> 23.0-23.5 ms,
-    # batch 64 856-859 -> 849-852; 1.5B batch 64 1625-1632 -> 1584-1592, batch 256 the same.
+    # shape, at the eager run before a graph is captured). Measured on an H200 against F.linear,
+    # alternating in one process: 0.5B batch 256 step 1244/1261 -> 1225/1234 us and its 256 x 64
+    # prefill (1-token call) 24.9 -> 23.0-23.5 ms, batch 64 856-859 -> 849-852; 1.5B batch 64
+    # 1625-1632 -> 1584-1592, batch 256 the same. Candidates with other bits, and configurations
+    # beyond the heuristic's list, were no better in the step (docs/design/engine-tuning.md).
     tune_products = True
     tune_max_rows = 16384
     tune_min_gain = 0.03
 
     # Warps a program of the norm (a row), the sampling chunk kernel (sampling.CHUNK tokens) and
-    # the SiLU (1024 columns). H200, 0.5B decode step (bench/experiments/knob_step.py,
-    # bench/results/knob_step-experiment-*): norm 1, 2 or 4 and SiLU 1 or 4 within the spread at
-    # batch 256, SiLU 1 slower at 16 (794 -> 808 us); sampling 4 instead of 8 1283 -> 1270 us at
-    # batch 256 (both rounds), the same at 16, and on another machine 1282 -> 1277 at 256, the
-    # same at 64 (knob_step-experiment-2-*); the GPU tests pass with 4.
+    # the SiLU (1024 columns). Measured on an H200, 0.5B decode step: norm 1, 2 or 4 and SiLU 1
+    # or 4 within the spread at batch 256, SiLU 1 slower at 16 (794 -> 808 us); sampling 4
+    # instead of 8 1283 -> 1270 us at batch 256, the same at 16, and on another H200 1282 -> 1277
+    # at 256, the same at 64; the GPU tests pass with 4.
     norm_warps = 4
     sample_warps = 4
     silu_warps = 4
-    silu_block = 1024  # columns a SiLU program takes
+    silu_block = 1024  # columns a SiLU program takes (4096: 0.5B batch 256 1232-1237 -> 1260 us)
 
     def add_rmsnorm(self, x, residual, weight, eps):
         rows, cols = x.shape

@@ -58,11 +58,12 @@ def _skinny_linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, count_ptr, row
     Before `gdc_wait` the program asks L2 for its whole weight tile: with programmatic dependent
     launch it starts while the kernel before it (whose output is x) still runs, so the weight
     bytes come in from memory during that kernel instead of after it. (Loading the tile into the
-    program instead measured the same for q/k/v and o, and worse for the MLP products; see
-    bench/results/skinny_pdl-experiment-5-*.) With SILU, x is silu(gate) * up of the gated MLP
-    (gate at x, up `up_offset` columns on), rounded as `silu_mul` rounds. With SPLITS > 1 each program writes its float32 partial
-    and the last of a column block's programs to finish (an atomic count) adds them in split
-    order: one launch, and the same sum whatever order the programs finish in."""
+    program instead measured the same for q/k/v and o, and worse for the MLP products, on an
+    H200; docs/design/engine-tuning.md.) With SILU, x is silu(gate) * up of the gated MLP (gate
+    at x, up `up_offset` columns on), rounded as `silu_mul` rounds. With SPLITS > 1 each program
+    writes its float32 partial and the last of a column block's programs to finish (an atomic
+    count) adds them in split order: one launch, and the same sum whatever order the programs
+    finish in."""
     pid = tl.program_id(0)
     split = tl.program_id(1)
     row_tile = tl.program_id(2)

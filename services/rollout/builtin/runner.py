@@ -79,7 +79,7 @@ def padded(rows: list[list[int]], width: int, fill: int, dtype: torch.dtype) -> 
     """A CPU tensor [len(rows), width] of `rows` right-padded with `fill`. Built in an array, not
     by torch.tensor of nested lists, which takes ~100 ns an element: 4.8 against 0.1 ms for 256
     block tables, host time before a prefill (and 2.3 against 0.16 ms for 256 prompts of 64
-    tokens, when prompts went through it; their ids now come from `PackedPrompts`). Appending each
+    tokens; prompt ids do not go through it, they come from `PackedPrompts`). Appending each
     row's list, not slicing in an array made of it: 0.16 against 0.22 ms."""
     flat = array.array(_TYPECODES[dtype])
     padding = [fill] * width
@@ -101,8 +101,8 @@ def _ints(values: list[int]) -> torch.Tensor:
 @dataclass
 class _PrefillGraph:
     # The prefill's first layer, then the rest: launching a whole prefill's graph (~300 nodes)
-    # took ~0.4 ms of host time with the device idle until it was done; the first layer's graph
-    # launches in microseconds and runs while the host launches the rest.
+    # takes ~0.4 ms of host time (measured on an H200 machine), with the device idle until it is
+    # done; the first layer's graph launches in microseconds and runs while the host launches the rest.
     graphs: tuple[torch.cuda.CUDAGraph, ...]
     inputs: torch.Tensor  # tokens, lengths and tables in one (`_prefill_inputs`): a replay reads what was copied here
     logits: torch.Tensor  # [G, V] of the prefill logits buffer, written by every replay
@@ -158,7 +158,7 @@ class NewRow:
 
 class ModelRunner:
     # Decode attention splits a row's tokens for this many programs an SM (4, 8 and 16 measured
-    # within 2% either way: bench/results/attention_splits-experiment-*).
+    # within 2% either way on an H200: docs/design/engine-tuning.md).
     split_programs_per_sm = 2
 
     def __init__(self, decoder: PagedDecoder, cache: PagedKVCache, *, capacity: int, max_new_tokens: int,

@@ -54,10 +54,10 @@ class _Collections:
 
     Left to itself, a collection starts at whatever allocation crosses its threshold: during an
     admission or after the call's last step (a collection over fresh lists took ~0.9 ms there on
-    the H200's host, `bench/results/host_phases-experiment-*`), with the device idle. During a call
-    it is off, and `collect_due` runs the collection Python would have run by then where the
-    host has just queued decode steps, so it overlaps them. Off and on again as found: a caller
-    that turned it off keeps it off."""
+    an H200 machine's host), with the device idle. During a call it is off, and `collect_due`
+    runs the collection Python would have run by then where the host has just queued decode
+    steps, so it overlaps them. Off and on again as found: a caller that turned it off keeps it
+    off."""
 
     def __init__(self) -> None:
         self.enabled = gc.isenabled()
