@@ -39,7 +39,10 @@ def _rss_kib(pid: int) -> int:
     return 0
 
 
-def run(model_dir: Path, *, clients: int, seconds: float, max_new_tokens: int = 8, log_dir: Path | None = None) -> dict:
+def run(model_dir: Path, *, clients: int, seconds: float, max_new_tokens: int = 8, log_dir: Path | None = None,
+        prompts: list[str] = PROMPTS, device: str = "cpu", max_batch_size: int = 0) -> dict:
+    """`clients` threads each calling Generate with `prompts` back to back for `seconds`, against
+    one engine on `device`; the limit is one call of every client's prompts at once."""
     log_dir = log_dir or Path(tempfile.mkdtemp(prefix="rlfleet-load-"))
     fleet = LocalFleet(log_dir, env={"OMP_NUM_THREADS": "1"})
     try:
@@ -48,16 +51,16 @@ def run(model_dir: Path, *, clients: int, seconds: float, max_new_tokens: int = 
         channel = rpc.open_channel(child.address)
         stub = rollout_pb2_grpc.RolloutStub(channel)
         stub.Configure(rollout_pb2.ConfigureRolloutRequest(config=rollout_pb2.RolloutConfig(
-            model_path=str(model_dir), load_weights=True)), timeout=120)
+            model_path=str(model_dir), load_weights=True, device=device, max_batch_size=max_batch_size)), timeout=300)
         sampling = rollout_pb2.SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True)
-        request = rollout_pb2.GenerateRequest(prompts=PROMPTS, sampling=sampling)
+        request = rollout_pb2.GenerateRequest(prompts=prompts, sampling=sampling)
         stub.Generate(request, timeout=60)  # warm
 
         # the limit: one call holding every client's prompts
-        batched = rollout_pb2.GenerateRequest(prompts=PROMPTS * clients, sampling=sampling)
+        batched = rollout_pb2.GenerateRequest(prompts=list(prompts) * clients, sampling=sampling)
         started = time.perf_counter()
         stub.Generate(batched, timeout=300)
-        limit = len(PROMPTS) * clients / (time.perf_counter() - started)
+        limit = len(prompts) * clients / (time.perf_counter() - started)
 
         latencies: list[float] = []
         errors: list[str] = []
@@ -80,7 +83,7 @@ def run(model_dir: Path, *, clients: int, seconds: float, max_new_tokens: int = 
                             errors.append(f"{e.code().name}: {e.details()}")
                     time.sleep(0.02)
                     continue
-                ok = len(reply.results) == len(PROMPTS) and all(len(r.output_ids) == max_new_tokens for r in reply.results)
+                ok = len(reply.results) == len(prompts) and all(len(r.output_ids) == max_new_tokens for r in reply.results)
                 with lock:
                     latencies.append(time.perf_counter() - t0)
                     if not ok:
@@ -99,9 +102,9 @@ def run(model_dir: Path, *, clients: int, seconds: float, max_new_tokens: int = 
         fleet.stop()
     calls = len(latencies)
     quantiles = statistics.quantiles(latencies, n=100) if calls >= 2 else [float("nan")] * 99
-    throughput = calls * len(PROMPTS) / elapsed
+    throughput = calls * len(prompts) / elapsed
     return {
-        "bench": "load", "clients": clients, "seconds": round(elapsed, 2), "calls": calls, "shed": shed[0],
+        "bench": "load", "clients": clients, "prompts_per_call": len(prompts), "device": device, "seconds": round(elapsed, 2), "calls": calls, "shed": shed[0],
         "errors": len(errors), "first_errors": errors[:3], "completions_per_s": round(throughput, 1),
         "tokens_per_s": round(throughput * max_new_tokens, 1), "limit_completions_per_s": round(limit, 1),
         "ratio": round(throughput / limit, 3), "p50_s": round(quantiles[49], 4), "p90_s": round(quantiles[89], 4),

@@ -1,0 +1,80 @@
+"""How well one rollout engine serves many concurrent one-prompt requests.
+
+For each client count C (1, 8, 64, 256 by default): a rollout server (a real process, over gRPC
+on loopback), C client threads each sending one-prompt Generate calls back to back for
+`--seconds`. Reported: aggregate tokens/s as a ratio to one batched call of C prompts in the same
+run (the same rows, what the engine does when it gets them together), p50 and p99 latency, calls
+shed. A serving engine keeps the ratio near 1 as C grows; one that serves a call at a time falls
+towards 1/C of its batched throughput. A PNG draws ratio and latency against C.
+
+    python bench/serve.py --out run.jsonl --png bench/results/serve-<machine>.png && python bench/common.py publish serve run.jsonl
+    python bench/serve.py --device cuda --model DIR --clients 1,8,64,256   # a GPU and a model of your own
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.common import commit, emit, machine  # noqa: E402
+from bench.load import run  # noqa: E402
+
+PROMPT = ["13+29="]
+
+
+def plot(lines: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    clients = [line["clients"] for line in lines]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.6))
+    left.plot(clients, [line["ratio"] for line in lines], "o-", label="measured")
+    left.plot(clients, [1 / c for c in clients], ":", color="grey", label="one call at a time (1/C)")
+    left.axhline(0.8, color="green", linestyle="--", linewidth=0.8, label="goal 0.8")
+    left.set(xscale="log", xlabel="concurrent clients C", ylabel="tokens/s over one batched call", ylim=(0, 1.1))
+    left.legend(fontsize=7)
+    right.plot(clients, [line["p50_s"] for line in lines], "o-", label="p50")
+    right.plot(clients, [line["p99_s"] for line in lines], "s-", label="p99")
+    right.set(xscale="log", yscale="log", xlabel="concurrent clients C", ylabel="latency of a call (s)")
+    right.legend(fontsize=7)
+    fig.suptitle(f"one engine serving C one-prompt clients ({lines[0]['device']}, {lines[0]['max_new_tokens']} new "
+                 f"tokens)\n{machine()}, {commit()}, {time.strftime('%Y-%m-%d')}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    parser.add_argument("--model", type=Path, default=Path(__file__).resolve().parents[1] / "examples/arith/model")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--clients", default="1,8,64,256")
+    parser.add_argument("--seconds", type=float, default=10.0, help="per client count")
+    parser.add_argument("--new-tokens", type=int, default=16)
+    parser.add_argument("--out", type=Path)
+    parser.add_argument("--png", type=Path)
+    args = parser.parse_args(argv)
+    counts = [int(c) for c in args.clients.split(",")]
+    lines = []
+    for i, clients in enumerate(counts):
+        print(f"# [{i + 1}/{len(counts)}] {clients} clients for {args.seconds:.0f} s ...", file=sys.stderr, flush=True)
+        line = run(args.model, clients=clients, seconds=args.seconds, max_new_tokens=args.new_tokens, prompts=PROMPT,
+                   device=args.device, max_batch_size=max(counts))
+        line = {**line, "bench": "serve", "max_new_tokens": args.new_tokens}
+        emit(line, args.out)
+        lines.append(line)
+        print(f"#   ratio {line['ratio']}, p50 {line['p50_s']} s, p99 {line['p99_s']} s, {line['shed']} shed, "
+              f"{line['errors']} errors", file=sys.stderr, flush=True)
+    if args.png:
+        plot(lines, args.png)
+    return 1 if any(line["errors"] for line in lines) else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
