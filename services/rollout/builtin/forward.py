@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from services.models.decoder import DecoderLM
-from services.rollout.builtin.kv_cache import PagedKVCache
+from services.rollout.builtin.kv_cache import TRASH_BLOCK, PagedKVCache
 from services.rollout.builtin.ops import rope_table
 
 
@@ -107,6 +107,36 @@ class PagedDecoder:
         # key and value are in the cache once that layer has attended.
         wanted = torch.arange(groups, device=tokens.device) * length + lengths - 1
         last = self._layers(tokens.reshape(-1), attend, wanted, after_layer)  # [G, hidden]
+        if out is None:
+            return F.linear(last, self.model.output_weight)
+        return torch.mm(last, self.model.output_weight.t(), out=out)
+
+    def extend(self, tokens: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor, tables: torch.Tensor,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+        """`prefill` of prompts whose first starts[g] tokens are in the cache already (a prefix
+        cache hit): tokens [G, S] are the rest, right-padded (lengths [G] real), written to the
+        cache at their positions of block tables [G, W] and attending to the whole prompt."""
+        groups, length = tokens.shape
+        bs = self.cache.shape.block_size
+        offsets = torch.arange(length, device=tokens.device)
+        positions = starts[:, None] + offsets  # [G, S]
+        real = offsets[None, :] < lengths[:, None]
+        positions = torch.where(real, positions, 0)
+        slots = tables.gather(1, positions // bs).long() * bs + positions % bs
+        slots = torch.where(real, slots, TRASH_BLOCK * bs + offsets % bs).reshape(-1)
+        flat_positions = positions.reshape(-1)
+
+        def attend(layer_index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            k_cache, v_cache = self.cache.layer(layer_index)
+            q_norm, k_norm = self._qk_norms(layer_index)
+            q, _ = self.ops.qk_rope_cache(q, k, v, q_norm, k_norm, self.eps, self.rope, flat_positions, slots,
+                                          k_cache, v_cache)
+            dim = self.config.head_dim
+            return self.ops.context_attention(q.view(groups, length, -1, dim), k_cache, v_cache, tables, starts,
+                                              lengths, bs).reshape(groups * length, -1)
+
+        wanted = torch.arange(groups, device=tokens.device) * length + lengths - 1
+        last = self._layers(tokens.reshape(-1), attend, wanted)  # [G, hidden]
         if out is None:
             return F.linear(last, self.model.output_weight)
         return torch.mm(last, self.model.output_weight.t(), out=out)

@@ -67,6 +67,16 @@ class BlockAllocator:
             self._refs[b] = 1
         return blocks
 
+    def refs(self, block: int) -> int:
+        return self._refs[block]
+
+    def grow(self, num_blocks: int) -> None:
+        """Blocks num_blocks.. become free ids (handed out after the free ones, low ids first)."""
+        added = list(range(num_blocks - 1, self.num_blocks - 1, -1))
+        self._free = added + self._free
+        self._refs += [0] * (num_blocks - self.num_blocks)
+        self.num_blocks = num_blocks
+
     def share(self, blocks: list[int]) -> None:
         for b in blocks:
             assert self._refs[b] > 0, f"sharing free block {b}"
@@ -103,6 +113,20 @@ class PagedKVCache:
 
     def release(self) -> None:
         self.kv = None
+
+    def grow(self, num_blocks: int) -> None:
+        """More blocks, every held one kept where it is with its keys and values (a CPU pool that
+        a larger call outgrew: the prefix cache and the rows' tables stay valid)."""
+        if num_blocks <= self.num_blocks:
+            return
+        s = self.shape
+        kv = torch.zeros(s.num_layers, 2, num_blocks, s.block_size, s.num_kv_heads, s.head_dim, dtype=s.dtype,
+                         device=self.device)
+        if self.kv is not None:
+            kv[:, :, : self.num_blocks] = self.kv
+        self.kv = kv
+        self.allocator.grow(num_blocks)
+        self.num_blocks = num_blocks
 
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of one layer as [num_blocks * block_size, num_kv_heads, head_dim] views."""

@@ -112,6 +112,26 @@ class TorchOps:
                                              enable_gqa=num_heads != k.shape[2])  # [G, H, P, D]
         return out.transpose(1, 2).reshape(groups, length, num_heads * head_dim)
 
+    def context_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                          block_tables: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor,
+                          block_size: int) -> torch.Tensor:
+        """Causal attention of prompt suffixes over their whole prompts in the cache: q [G, S, H, D]
+        holds tokens starts[g].. of prompt g (lengths[g] of them, right-padded), whose keys and
+        values, and those of every token before them, are in the cache at block_tables [G, W].
+        -> [G, S, H*D]. (Prefill after a prefix-cache hit: the prefix was computed earlier.)"""
+        groups, length, num_heads, head_dim = q.shape
+        context = block_tables.shape[1] * block_size
+        position = torch.arange(context, device=q.device)
+        slots = block_tables[:, position // block_size].long() * block_size + position % block_size  # [G, C]
+        k, v = k_cache[slots], v_cache[slots]  # [G, C, Hkv, D]
+        query_at = starts[:, None] + torch.arange(length, device=q.device)  # [G, S]
+        visible = (position[None, None, :] <= query_at[:, :, None]) & \
+            (position[None, None, :] < (starts + lengths)[:, None, None])  # [G, S, C]
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2).to(q.dtype),
+                                             v.transpose(1, 2).to(q.dtype), attn_mask=visible[:, None],
+                                             enable_gqa=num_heads != k.shape[2])  # [G, H, S, D]
+        return out.transpose(1, 2).reshape(groups, length, num_heads * head_dim)
+
     def silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         return F.silu(gate) * up
 

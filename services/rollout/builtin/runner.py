@@ -194,11 +194,36 @@ class ModelRunner:
         r.block_tables.fill_(TRASH_BLOCK)
         r.positions.zero_()
 
-    def prefill(self, prompts: PackedPrompts, indices: list[int], blocks: list[list[int]]) -> torch.Tensor:
+    def prefill(self, prompts: PackedPrompts, indices: list[int], blocks: list[list[int]],
+                cached: list[int] | None = None) -> torch.Tensor:
         """Queue the prefill of prompts `indices` of `prompts` (each once, its cache positions in
         `blocks[i]`); returns its logits [G', V], G' >= G (padding groups last), for `start`. On a
-        GPU it returns once the work is queued, so what the host does next overlaps it."""
+        GPU it returns once the work is queued, so what the host does next overlaps it.
+        `cached[i]`: prompt i's first tokens whose keys and values the cache holds already (a
+        prefix-cache hit, whole blocks): only the rest is computed."""
+        if cached and any(cached):
+            return self._extend_logits(prompts, indices, blocks, cached)
         return self._prefill_logits(prompts, indices, blocks)
+
+    def _extend_logits(self, prompts: PackedPrompts, indices: list[int], blocks: list[list[int]],
+                       cached: list[int]) -> torch.Tensor:
+        """Prefill of prompt suffixes over cached prefixes, eager at its own shapes (no graphs)."""
+        bs = self.cache.shape.block_size
+        sizes = prompts.lengths[indices]
+        starts = numpy.asarray(cached, dtype=numpy.int64)
+        rest = sizes - starts
+        whole = prompts.rows(indices, int(sizes.max()))  # [G, P]
+        columns = numpy.arange(int(rest.max()), dtype=numpy.int64)
+        real = columns[None, :] < rest[:, None]
+        at = numpy.where(real, starts[:, None] + columns, 0)
+        tokens = numpy.where(real, numpy.take_along_axis(whole, at, axis=1), 0)  # [G, S]
+        width = -(-int(sizes.max()) // bs)
+        tables = padded([table[: -(-n // bs)] for n, table in zip(sizes.tolist(), blocks)], width, TRASH_BLOCK,
+                        torch.int64)
+        device = self.device
+        out = self._prefill_out(len(indices)) if device.type == "cuda" else None
+        return self.decoder.extend(to_device(torch.from_numpy(tokens), device), to_device(torch.from_numpy(starts), device),
+                                   to_device(torch.from_numpy(rest), device), to_device(tables, device), out=out)
 
     def start(self, logits: torch.Tensor, rows: list[NewRow], first_slot: int, mode: StepMode) -> None:
         """Start `rows` in slots first_slot.. with their first token, sampled from the prefill's
