@@ -1,15 +1,23 @@
 """The built-in rollout engine (`engine: torch`): a model, its tokenizer, the weight version it
 serves, whether it is in the generation pool, and the paged generation core that runs it.
 
-Weight updates are staged outside the model and verified before anything is copied in; the copy
-(or, on a CPU, the adoption of the staged buffers) happens under the same lock generation takes,
-so a call sees either the old weights or the new ones, never a mix. On a GPU updates always copy
+Every caller's request joins one running batch (`services.rollout.builtin.scheduler`), served
+round by round by the engine's serving thread under the engine's lock. Weight updates are staged
+outside the model and verified before anything is copied in; the copy (or, on a CPU, the
+adoption of the staged buffers) happens under that lock, between rounds, so no token is sampled
+from a mix of two versions. What happens to the rows running then is the update's policy
+(`UPDATE_POLICIES`): `drain` waits for every started request to finish and admits no new one
+meanwhile (each call's tokens from one version), `pause` swaps between two rounds and the rows
+go on under the new weights (each completion says which tokens came from which version), `abort`
+ends the running rows with their tokens so far. On a GPU updates always copy
 into the weights' own memory: captured decode graphs hold those addresses. After an update that
 failed past validation the engine leaves the pool (`serving` false) until a full update succeeds.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import threading
 import time
 from dataclasses import dataclass
@@ -22,6 +30,7 @@ from services.models import load_hf_dir, load_tokenizer, memory
 from services.models.checkpoint import checkpoint_step, load_config
 from services.models.decoder import DecoderLM, init_weights, torch_dtype
 from services.rollout.builtin.core import CoreSettings, GenerationCore
+from services.rollout.builtin.scheduler import Request
 from services.rollout.types import Generation, Sampling
 from services.weights import capabilities
 from services.weights.apply import adoption_plan, load_buckets_into, named_weights
@@ -29,6 +38,9 @@ from services.weights.buckets import Manifest, dtype_name, pack_bucket, parse_dt
 from services.weights.errors import WeightSyncError
 from services.weights.fingerprint import fingerprint
 from services.weights.manifest import ManifestReader
+
+
+log = logging.getLogger("rlfleet.rollout")
 
 
 class EngineUnavailable(RuntimeError):
@@ -40,6 +52,7 @@ class EngineStateError(RuntimeError):
 
 
 MEMORY_TAGS = ("weights", "kv_cache")
+UPDATE_POLICIES = ("drain", "pause", "abort")
 _CAN_SWAP = hasattr(torch.UntypedStorage, "_swap_data_ptr_")  # torch >= 2.13
 
 
@@ -74,6 +87,7 @@ class RolloutSettings:
     load_weights: bool = True
     kv_cache_fraction: float = 0.5  # of the device memory free when the KV pool is made (GPU)
     cuda_graphs: bool = True
+    prefix_cache: bool = False  # share KV blocks across requests by prompt prefix (`builtin/prefix_cache.py`)
     sglang: SglangSettings = SglangSettings()
 
     def __post_init__(self) -> None:
@@ -85,7 +99,7 @@ class RolloutSettings:
 
     def core_settings(self) -> CoreSettings:
         return CoreSettings(max_batch_size=self.max_batch_size, kv_cache_fraction=self.kv_cache_fraction,
-                            cuda_graphs=self.cuda_graphs)
+                            cuda_graphs=self.cuda_graphs, prefix_cache=self.prefix_cache)
 
 
 class RolloutEngine:
@@ -121,7 +135,13 @@ class RolloutEngine:
         self.holds_buffers = False  # whether the model took the last `apply`'s buffers as its weights
         self.keeps_staging = True  # the next update is received into the set the model does not hold
         self._plans: list[tuple[tuple, list]] = []  # adoption plans of owned buffer sets, newest first
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the model, its pool and the batch: held for a round, or an update
+        # Threads that want the lock (an update, a submission) make the serving thread wait for them
+        # between rounds: a lock is not fair, and the serving thread would take it straight back.
+        self._turns = threading.Condition()
+        self._wanted = 0
+        self._closed = False
+        self._thread: threading.Thread | None = None
 
     @property
     def max_positions(self) -> int:
@@ -131,16 +151,96 @@ class RolloutEngine:
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.model.parameters())
 
+    streams = True  # `submit` reports each completion as it finishes
+    update_policies = UPDATE_POLICIES
+
+    def submit(self, prompts_ids: list[list[int]], sampling: Sampling, *, cancelled: Callable[[], bool] | None = None,
+               on_result: Callable[[int, Generation], None] | None = None, priority: str = "train") -> Request:
+        """Queue a request into the running batch (ValueError naming the field if the model
+        cannot take it; EngineUnavailable if the engine is out of the pool). `cancelled` is polled
+        every round; `on_result(index, generation)` sees each completion as it finishes."""
+        request = self.core.request(prompts_ids, sampling, cancelled=cancelled, on_result=on_result,
+                                    priority=priority)
+        with self._turn():
+            self._check_serving_locked()
+            self.core.submit(request)
+            self._start_locked()
+        return request
+
     def generate(self, prompts_ids: list[list[int]], sampling: Sampling,
-                 cancelled: Callable[[], bool] | None = None) -> tuple[list[Generation], int]:
-        """Completions and the one weight version that made all of them. `cancelled` is polled
-        between decode rounds; when it says so the call stops (GenerationCancelled)."""
-        with self._lock:
-            if self.released:
-                raise EngineUnavailable(f"engine memory is released ({', '.join(sorted(self.released))}): call ResumeMemory")
-            if not self.serving:
-                raise EngineUnavailable(f"engine is out of the generation pool: {self.last_error}")
-            return self.core.generate(prompts_ids, sampling, cancelled), self.weight_version
+                 cancelled: Callable[[], bool] | None = None, *, priority: str = "train",
+                 on_result: Callable[[int, Generation], None] | None = None) -> tuple[list[Generation], int]:
+        """Completions and the oldest weight version any of their tokens came from (each
+        completion's `versions` says which tokens came from which). `cancelled` is polled every
+        round; when it says so the call stops (GenerationCancelled)."""
+        request = self.submit(prompts_ids, sampling, cancelled=cancelled, on_result=on_result, priority=priority)
+        results = request.wait()
+        return results, min((g.versions[0][0] for g in results if g.versions), default=self.weight_version)
+
+    def _check_serving_locked(self) -> None:
+        if self.released:
+            raise EngineUnavailable(f"engine memory is released ({', '.join(sorted(self.released))}): call ResumeMemory")
+        if not self.serving:
+            raise EngineUnavailable(f"engine is out of the generation pool: {self.last_error}")
+
+    @contextlib.contextmanager
+    def _turn(self):
+        """The engine's lock, taken between two rounds of the serving thread."""
+        with self._turns:
+            self._wanted += 1
+        try:
+            with self._lock:
+                yield
+        finally:
+            with self._turns:
+                self._wanted -= 1
+                self._turns.notify_all()
+
+    def _start_locked(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._serve, name="rollout-serving", daemon=True)
+            self._thread.start()
+        with self._turns:
+            self._turns.notify_all()
+
+    def _serve(self) -> None:
+        """The serving thread: rounds of the running batch while it has work."""
+        devices.use(self.device)
+        while True:
+            with self._turns:
+                while not self._closed and (self._wanted or not self.core.busy):
+                    self._turns.wait()
+                if self._closed:
+                    return
+            with self._lock:
+                try:
+                    if (self.released or not self.serving) and self.core.scheduler is not None:
+                        self.core.scheduler.fail(EngineUnavailable(
+                            f"engine is out of the generation pool: {self.last_error or 'memory released'}"))
+                    elif self.core.busy:
+                        self.core.round()
+                except Exception:  # noqa: BLE001 (the round failed its requests with it)
+                    log.exception("a round of the running batch failed; its requests were given the error")
+            with self._turns:
+                self._turns.notify_all()  # a drain waits for requests to finish
+
+    @contextlib.contextmanager
+    def _quiet(self, what: str):
+        with self._turn():
+            scheduler = self.core.scheduler
+            if scheduler is not None:
+                scheduler.hold_new = True
+        try:
+            with self._turns:
+                while self.core.scheduler is not None and self.core.scheduler.started():
+                    self._turns.wait(0.05)
+            yield
+        finally:
+            with self._turn():
+                if self.core.scheduler is not None:
+                    self.core.scheduler.hold_new = False
+            with self._turns:
+                self._turns.notify_all()
 
     def expected_tensors(self) -> dict[str, tuple[str, tuple[int, ...]]]:
         return {name: (dtype_name(t.dtype), tuple(t.shape)) for name, t in self._named.items()}
@@ -151,7 +251,7 @@ class RolloutEngine:
         return self._manifests.read(msg)
 
     def apply(self, manifest: Manifest, buffers: list[torch.Tensor], *, read_back: bool = False, adopt: bool = False,
-              owned: bool = False) -> int:
+              owned: bool = False, policy: str = "drain") -> int:
         """Copy verified buckets into the model and switch to the manifest's version atomically.
 
         With `read_back` (exact verification) the loaded weights are packed again and compared
@@ -163,32 +263,51 @@ class RolloutEngine:
         the model's storages take the new bytes and `buffers` are left holding the previous
         weights, free for the caller to reuse. Returns the bytes loaded; `swapped` tells which.
         (Swapping needs torch >= 2.13; before that, owned buffers are adopted tensor by tensor
-        with the views made once per buffer set.)"""
+        with the views made once per buffer set.)
+
+        `policy` (`UPDATE_POLICIES`) says what becomes of the rows running: see the module's doc."""
+        if policy not in UPDATE_POLICIES:
+            raise ValueError(f"policy: must be one of {', '.join(UPDATE_POLICIES)}, got {policy!r}")
+        quiet = self._quiet("UpdateWeights") if policy == "drain" else contextlib.nullcontext()
+        with quiet, self._turn():
+            try:
+                return self._apply_locked(manifest, buffers, read_back, adopt, owned, policy)
+            except BaseException as e:
+                if self.core.scheduler is not None:  # rows that ran on weights now half loaded end here
+                    self.core.scheduler.fail(EngineUnavailable(f"weight update to version {manifest.version} "
+                                                               f"failed while this request ran: {e}"),
+                                             self.core.scheduler.started())
+                raise
+
+    def _apply_locked(self, manifest: Manifest, buffers: list[torch.Tensor], read_back: bool, adopt: bool,
+                      owned: bool, policy: str) -> int:
         started = time.perf_counter()
         adopt = adopt and not self.core.stable_weights
-        with self._lock:
-            if "weights" in self.released:
-                raise EngineStateError("UpdateWeights: weights are released; call ResumeMemory(weights) first")
-            layout = _layout(manifest) if adopt and owned else None
-            self.swapped = layout is not None and self._swap_locked(layout, buffers)
-            if self.swapped:
-                copied = manifest.total_bytes
-            else:
-                plan = self._plan_locked(layout, manifest, buffers) if layout is not None else None
-                copied = load_buckets_into(self._named, manifest, buffers, adopt=adopt, plan=plan)
-                self._arranged = (layout, [b.untyped_storage() for b in buffers]) \
-                    if layout is not None and all(_whole(b) for b in buffers) else None
-            actual = self._fingerprints_locked(manifest.buckets, manifest.fingerprint_algo) if read_back else []
-            expected = [b.fingerprint for b in manifest.buckets]
-            if read_back and actual != expected:
-                bad = next(i for i, (a, e) in enumerate(zip(actual, expected)) if a != e)
-                self._leave_pool_locked(f"bucket {bad} reads back as {actual[bad]}, expected {expected[bad]}")
-                raise WeightSyncError(f"weights did not verify after loading: {self.last_error}")
-            self.holds_buffers = adopt and not self.swapped
-            self.weight_version = manifest.version
-            self.serving, self.last_error = True, ""
-            self.last_apply_seconds = time.perf_counter() - started
-            return copied
+        if "weights" in self.released:
+            raise EngineStateError("UpdateWeights: weights are released; call ResumeMemory(weights) first")
+        if policy == "abort" and self.core.scheduler is not None:
+            self.core.scheduler.abort_running()
+        layout = _layout(manifest) if adopt and owned else None
+        self.swapped = layout is not None and self._swap_locked(layout, buffers)
+        if self.swapped:
+            copied = manifest.total_bytes
+        else:
+            plan = self._plan_locked(layout, manifest, buffers) if layout is not None else None
+            copied = load_buckets_into(self._named, manifest, buffers, adopt=adopt, plan=plan)
+            self._arranged = (layout, [b.untyped_storage() for b in buffers]) \
+                if layout is not None and all(_whole(b) for b in buffers) else None
+        actual = self._fingerprints_locked(manifest.buckets, manifest.fingerprint_algo) if read_back else []
+        expected = [b.fingerprint for b in manifest.buckets]
+        if read_back and actual != expected:
+            bad = next(i for i, (a, e) in enumerate(zip(actual, expected)) if a != e)
+            self._leave_pool_locked(f"bucket {bad} reads back as {actual[bad]}, expected {expected[bad]}")
+            raise WeightSyncError(f"weights did not verify after loading: {self.last_error}")
+        self.holds_buffers = adopt and not self.swapped
+        self.weight_version = manifest.version
+        self.core.set_version(manifest.version)
+        self.serving, self.last_error = True, ""
+        self.last_apply_seconds = time.perf_counter() - started
+        return copied
 
     def _plan_locked(self, layout: tuple, manifest: Manifest, buffers: list[torch.Tensor]) -> list:
         """The adoption plan for owned buffers, kept for the last two buffer sets (staging's two)."""
@@ -220,7 +339,7 @@ class RolloutEngine:
         return True
 
     def leave_pool(self, reason: str) -> None:
-        with self._lock:
+        with self._turn():
             self._leave_pool_locked(reason)
 
     def _leave_pool_locked(self, reason: str) -> None:
@@ -236,7 +355,10 @@ class RolloutEngine:
         """Free device memory by tag. Released weights lose their values: the engine serves again
         only after ResumeMemory and a full weight update."""
         tags = _check_tags(tags)
-        with self._lock:
+        with self._quiet("ReleaseMemory"), self._turn():
+            if self.core.scheduler is not None:  # requests not started cannot run without the memory
+                self.core.scheduler.fail(EngineUnavailable(f"engine memory released ({', '.join(tags)}) before "
+                                                           "this request started: resubmit after ResumeMemory"))
             if "kv_cache" in tags:
                 self.core.release()  # the KV pool, and the graphs that hold its addresses
             if "weights" in tags:
@@ -250,13 +372,13 @@ class RolloutEngine:
 
     def resume_memory(self, tags: list[str]) -> None:
         tags = _check_tags(tags)
-        with self._lock:
+        with self._turn():
             if "weights" in tags and "weights" in self.released:
                 memory.reallocate(self._params, self._param_sizes)
             self.released -= set(tags)
 
     def fingerprints(self, algo: str, bucket_bytes: int) -> list[str]:
-        with self._lock:
+        with self._turn():
             if "weights" in self.released:
                 raise EngineStateError("GetWeightFingerprints: weights are released")
             return self._fingerprints_locked(plan_buckets(named_weights(self.model), bucket_bytes), algo)
@@ -265,7 +387,15 @@ class RolloutEngine:
         return capabilities.local(self.device)
 
     def close(self) -> None:
-        """Nothing outlives the engine but its memory, which Python frees."""
+        """Stop the serving thread; requests still live end with EngineUnavailable."""
+        with self._turns:
+            self._closed = True
+            self._turns.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout=60)
+        with self._lock:
+            if self.core.scheduler is not None:
+                self.core.scheduler.fail(EngineUnavailable("engine closed (reconfigured or shutting down)"))
 
 
 def _layout(manifest: Manifest) -> tuple:

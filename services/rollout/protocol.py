@@ -5,6 +5,17 @@ runs is the `engine` setting, looked up in `ENGINES`. The built-in engine (`engi
 `services.rollout.engine.RolloutEngine`) implements it over `services.rollout.builtin`; another
 backend (SGLang over its HTTP API, say) is one more module with the same methods and one more
 entry here, with no edit to the servicer.
+
+Two optional parts, which the servicer looks for by attribute:
+
+- a *serving* engine (`streams = True`) also has `submit(prompts, sampling, cancelled=,
+  on_result=, priority=)`: the request joins one running batch shared with every other caller
+  and `on_result(index, generation)` sees each completion as it finishes (`GenerateStream`);
+  `generate` then takes `priority` ("train" | "eval") too;
+- `update_policies` lists what `apply` (and `update_from_*`) take as `policy`: "drain" (wait
+  for the rows running), "pause" (swap between steps, the same rows continue under the new
+  weights) or "abort" (rows running end with finish_reason "abort"). An engine without it
+  drains, and the servicer refuses any other policy with INVALID_ARGUMENT.
 """
 
 from __future__ import annotations
@@ -40,14 +51,17 @@ class GenerationEngine(Protocol):
 
     def generate(self, prompts_ids: list[list[int]], sampling: Sampling,
                  cancelled: Callable[[], bool] | None = None) -> tuple[list[Generation], int]:
-        """Completions (prompt-major) and the one weight version that made all of them."""
+        """Completions (prompt-major) and the oldest weight version that made any of their tokens
+        (each `Generation.versions` says which tokens came from which, where the engine knows)."""
 
     def read_manifest(self, msg) -> Manifest:
         """A received manifest, validated against this engine's model (ManifestMismatch if not)."""
 
     def apply(self, manifest: Manifest, buffers: list[torch.Tensor], *, read_back: bool = False,
               adopt: bool = False, owned: bool = False) -> int:
-        """Load verified buckets and switch to the manifest's version atomically; bytes loaded."""
+        """Load verified buckets and switch to the manifest's version atomically, between two
+        decode steps (never within one); bytes loaded. Engines with `update_policies` also take
+        `policy=`."""
 
     def leave_pool(self, reason: str) -> None: ...
 

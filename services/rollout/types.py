@@ -59,7 +59,9 @@ class Sampling:
 
 @dataclass(frozen=True)
 class Generation:
-    """One sampled completion of prompt `prompt_index`; finish_reason is "stop" or "length"."""
+    """One sampled completion of prompt `prompt_index`; finish_reason is "stop", "length" or
+    "abort" (a weight update ended it: its tokens so far). `versions`: (weight version, tokens)
+    runs, in order, covering output_ids, where the engine reports them (empty: not reported)."""
 
     prompt_index: int
     prompt_ids: list[int]
@@ -67,6 +69,7 @@ class Generation:
     text: str
     logprobs: list[float]
     finish_reason: str
+    versions: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass(frozen=True, eq=False)

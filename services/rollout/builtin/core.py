@@ -1,6 +1,7 @@
 """The built-in engine's generation core: a KV cache, a model runner and a scheduler for one model.
 
-`GenerationCore.generate` is what the rollout engine calls under its lock. The KV pool is made
+The rollout engine `submit`s requests and runs `round`s on its serving thread, under its lock;
+`generate` serves one call on the caller's thread (tests and benchmarks). The KV pool is made
 at the first call: on a GPU, `kv_cache_fraction` of the memory free at that moment (never more
 than `max_batch_size` rows of `max_position_embeddings` tokens need); on a CPU, just what a full
 batch of this call's longest row needs, grown when a later call needs more. `release` frees the
@@ -25,7 +26,7 @@ from services.rollout.builtin.forward import PagedDecoder, fuse_projections
 from services.rollout.builtin.kv_cache import KVShape, PagedKVCache, blocks_in_budget
 from services.rollout.builtin.ops import TorchOps
 from services.rollout.builtin.runner import ModelRunner
-from services.rollout.builtin.scheduler import Scheduler
+from services.rollout.builtin.scheduler import Request, Scheduler
 from services.rollout.types import Generation, Sampling, validate_prompts
 
 log = logging.getLogger("rlfleet.rollout")
@@ -39,6 +40,7 @@ class CoreSettings:
     max_batch_size: int = 256
     kv_cache_fraction: float = 0.5
     cuda_graphs: bool = True
+    prefix_cache: bool = False
     check_every: int = 0  # decode steps between host checks; 0: 1 on CPU, 8 on a GPU
 
     def __post_init__(self) -> None:
@@ -76,28 +78,62 @@ class GenerationCore:
         self.scheduler: Scheduler | None = None
         self.check_every = settings.check_every or (8 if self.on_gpu else 1)
         self.last_seconds = 0.0
+        self.version = 0
 
     @property
     def stable_weights(self) -> bool:
         """Whether weight updates must copy into the current tensors (graphs hold their addresses)."""
         return self.on_gpu
 
-    def generate(self, prompts_ids: list[list[int]], sampling: Sampling,
-                 cancelled: Callable[[], bool] | None = None) -> list[Generation]:
+    def request(self, prompts_ids: list[list[int]], sampling: Sampling, *, cancelled: Callable[[], bool] | None = None,
+                on_result: Callable[[int, Generation], None] | None = None, priority: str = "train") -> Request:
+        """A validated request (ValueError naming the field if the model cannot take it), to `submit`."""
         packed = validate_prompts(prompts_ids, sampling, self.config.vocab_size, self.config.max_position_embeddings)
-        if not len(packed.lengths):
-            return []  # no prompts, no completions (as the eager loop answers)
-        started = time.perf_counter()
-        longest = int(packed.lengths.max()) + sampling.max_new_tokens
-        self._ensure(longest, len(prompts_ids) * sampling.n)
         stop_ids = set(sampling.stop_token_ids)
         if not sampling.ignore_eos and self.tokenizer.eos_token_id is not None:
             stop_ids.add(self.tokenizer.eos_token_id)
         seed = sampling.seed if sampling.seed is not None else random.SystemRandom().getrandbits(63)
+        return Request(packed.as_lists(prompts_ids), packed, sampling, frozenset(stop_ids), seed, priority=priority,
+                       cancelled=cancelled, on_result=on_result)
+
+    def submit(self, request: Request) -> Request:
+        """Queue `request`: its rows join the running batch at a coming `round`."""
+        if self.scheduler is None and request.prompts:
+            self._ensure(request.longest, len(request.results))
+        if self.scheduler is None:
+            request.finish()  # no prompts, no completions (as the eager loop answers)
+            return request
+        return self.scheduler.submit(request)
+
+    @property
+    def busy(self) -> bool:
+        return self.scheduler is not None and self.scheduler.busy
+
+    def round(self) -> None:
+        """One round of the running batch (`Scheduler.round`). On a CPU, the pool grows first if
+        it is too small for what waits and no row runs."""
+        if not self.on_gpu and not self.scheduler.running:
+            live = self.scheduler.live()
+            if live:
+                self._ensure(max(r.longest for r in live), sum(r.unadmitted for r in live))
+        started = time.perf_counter()
         with torch.inference_mode():
-            results = self.scheduler.run(prompts_ids, sampling, stop_ids, seed, cancelled, packed)
+            self.scheduler.round()
         self.last_seconds = time.perf_counter() - started
-        return results
+
+    def generate(self, prompts_ids: list[list[int]], sampling: Sampling,
+                 cancelled: Callable[[], bool] | None = None) -> list[Generation]:
+        """One call served on this thread, round by round, until it is done."""
+        request = self.submit(self.request(prompts_ids, sampling, cancelled=cancelled))
+        while not request.finished.is_set():
+            self.round()
+        return request.wait()
+
+    def set_version(self, version: int) -> None:
+        """The weights changed (between rounds): the next tokens are `version`'s."""
+        self.version = version
+        if self.scheduler is not None:
+            self.scheduler.set_version(version)
 
     def _ensure(self, longest: int, num_rows: int) -> None:
         """Make the pool, runner and scheduler if there are none (or, on a CPU, too small ones)."""
@@ -105,8 +141,9 @@ class GenerationCore:
         blocks_per_row = self.shape.blocks_for(max_positions)
         capacity = self.settings.max_batch_size
         if self.cache is not None:
-            if self.on_gpu or self.cache.num_blocks >= self._cpu_blocks(longest, num_rows):
-                return
+            if not self.on_gpu:  # (no row runs) grown in place: held blocks, cached prefixes and all
+                self.cache.grow(self._cpu_blocks(longest, num_rows))
+            return
         if self.on_gpu:
             free, _ = torch.cuda.mem_get_info(self.device)
             blocks = min(blocks_in_budget(self.shape, int(free * self.settings.kv_cache_fraction)),
@@ -117,8 +154,12 @@ class GenerationCore:
         decoder = PagedDecoder(self.model, self.cache, self.ops, self.fused)
         self.runner = ModelRunner(decoder, self.cache, capacity=capacity, max_new_tokens=max_positions,
                                   max_blocks_per_row=blocks_per_row, use_graphs=self.settings.cuda_graphs)
-        self.scheduler = Scheduler(self.runner, self.cache, self.tokenizer, check_every=self.check_every,
-                                   max_prefill_tokens=MAX_PREFILL_TOKENS)
+        if self.scheduler is None:
+            self.scheduler = Scheduler(self.runner, self.cache, self.tokenizer, check_every=self.check_every,
+                                       max_prefill_tokens=MAX_PREFILL_TOKENS, version=self.version,
+                                       prefix_cache=self.settings.prefix_cache)
+        else:  # (no row runs) the waiting requests stay queued
+            self.scheduler.attach(self.runner, self.cache)
         log.info("kv cache: %d blocks of %d tokens (%.1f MB) on %s, %s ops, CUDA graphs %s", blocks,
                  self.shape.block_size, self.cache.nbytes / 1e6, self.device, self.ops.name,
                  "on" if self.runner.use_graphs else "off")
@@ -134,7 +175,8 @@ class GenerationCore:
         return max(self.shape.blocks_for(longest) + 1, min(wanted, blocks_in_budget(self.shape, free // 4)))
 
     def release(self) -> None:
-        """Free the KV pool and the graphs; the next call makes them again."""
+        """Free the KV pool and the graphs; the next call makes them again (no request may be
+        live: the engine ends them first)."""
         if self.runner is not None:
             self.runner.drop_graphs()
         self.cache = self.runner = self.scheduler = None

@@ -1,28 +1,46 @@
-"""Continuous batching for one generate call: which prompts run, when, and when a row is finished.
+"""Continuous batching for every caller: one running batch, requests joining and leaving it.
 
-The scheduler owns the host's view of the batch: the rows in their slots, the prompts still
-waiting, and every row's blocks. Each round it admits waiting prompts into free slots while
-their blocks fit (one prefill for a prompt's `n` samples, which share the blocks the prompt
-fills; prompts are admitted once a quarter of the slots is free, so prefills come in batches),
-lets the runner decode a few steps with no host sync, then reads which rows are done,
-looks for stop strings, hands finished rows back as `Generation`s, frees their blocks and packs
-the rest to the front. So a long-tail row never keeps a slot from a waiting prompt for longer
-than one round. Handing rows back is split in two: their outputs are copied out and their
-blocks freed before the rest are packed, and the host work (lists, text, `Generation`s) is done
-while the next round's decode steps run, not while the device waits for it.
+The scheduler owns the host's view of the batch: the rows in their slots, the requests' prompts
+still waiting, and every row's blocks. A request (`Request`: one caller's prompts and sampling
+settings) is submitted at any time; each round (`round`) admits waiting prompts of any request
+into free slots while their blocks fit (one prefill for a prompt's `n` samples, which share the
+blocks the prompt fills; prompts are admitted once a quarter of the slots is free, so prefills
+come in batches), lets the runner decode a few steps with no host sync, then reads which rows are
+done, looks for stop strings, hands finished rows back to their requests as `Generation`s, frees
+their blocks and packs the rest to the front. A request is answered when its last row is done, and
+`Request.on_result` sees each row as it finishes. Handing rows back is split in two: their outputs
+are copied out and their blocks freed before the rest are packed, and the host work (lists, text,
+`Generation`s) is done while the next round's decode steps run, not while the device waits for it.
+
+Rows in one batch share the settings a captured decode step reads (`Request.batch_class`:
+temperature, top-p, top-k, max_new_tokens, stop token ids); seeds, `n`, stop strings and
+priorities are per request. When requests of another class wait, the running class admits at
+most a batch's worth of rows since it was picked, finishes them, and the batch switches; the
+next class picked alternates between that of the oldest eval request and that of the oldest
+request of any priority, so neither eval nor train, nor any class, starves. Within a class,
+`eval` and `train` requests are admitted alternately, a prompt each.
+
+A cancelled request (its `cancelled` polled once a round) leaves at the next round: its waiting
+prompts dropped, its rows' blocks freed, the rest of the batch untouched. Weight updates happen
+between rounds (`set_version`: every row records from which token on the new version made its
+tokens, `Generation.versions`; `abort_running`: the running rows end now, marked "abort", with
+their tokens so far; `hold_new`: no request that has not started is admitted, for a drain).
 
 The host's own work is kept off the device's critical path: a prefill is queued before its rows'
 records are made; rows that nothing but their length limit can end are never read (the host
 knows when they finish), and their outputs so far are turned into lists a round at a time while
-later steps run, so that little is left for the end of the call, when the device is idle.
+later steps run, so that little is left for the end of a row, when the device may be idle.
 
 A row reserves blocks for its prompt plus max_new_tokens when admitted: it can never run out
-mid-way, so nothing is ever preempted or recomputed.
+mid-way, so a full pool makes prompts wait (never refuses them) and nothing is ever preempted or
+recomputed.
 """
 
 from __future__ import annotations
 
 import gc
+import itertools
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -31,6 +49,7 @@ from typing import Callable
 from services.models.tokenizer import Tokenizer
 from services.rollout.builtin import sampling
 from services.rollout.builtin.kv_cache import PagedKVCache
+from services.rollout.builtin.prefix_cache import PrefixCache
 from services.rollout.builtin.runner import ModelRunner, NewRow, StepMode
 from services.rollout.types import Generation, PackedPrompts, Sampling, pack_prompts
 
@@ -83,8 +102,68 @@ class PromptTooLong(ValueError):
     """A prompt plus max_new_tokens needs more KV cache than the engine has."""
 
 
+PRIORITIES = ("eval", "train")
+
+
+@dataclass(eq=False)
+class Request:
+    """One caller's prompts and settings, and what has come back of them so far.
+
+    `results` are prompt-major (results[i * n + j] is sample j of prompt i); `on_result(index,
+    generation)` is called (on the scheduler's thread) as each one finishes. `wait` returns them
+    all, or raises what ended the request (GenerationCancelled, PromptTooLong, an engine error)."""
+
+    prompts: list[list[int]]
+    packed: PackedPrompts
+    sampling: Sampling
+    stop_ids: frozenset[int]
+    seed: int
+    priority: str = "train"
+    cancelled: Callable[[], bool] | None = None
+    on_result: Callable[[int, Generation], None] | None = None
+    results: list = field(init=False)
+    left: int = field(init=False)
+    started: bool = field(default=False, init=False)  # a prompt of it has been admitted
+    error: BaseException | None = field(default=None, init=False)
+    finished: threading.Event = field(default_factory=threading.Event, init=False)
+    arrival: int = field(default=0, init=False)
+    unadmitted: int = field(default=0, init=False)  # rows not yet in the batch
+
+    def __post_init__(self) -> None:
+        if self.priority not in PRIORITIES:
+            raise ValueError(f"priority: must be one of {', '.join(PRIORITIES)}, got {self.priority!r}")
+        self.results = [None] * (len(self.prompts) * self.sampling.n)
+        self.left = self.unadmitted = len(self.results)
+
+    @property
+    def longest(self) -> int:
+        """Positions its longest row needs."""
+        return int(self.packed.lengths.max(initial=0)) + self.sampling.max_new_tokens
+
+    @property
+    def batch_class(self) -> tuple:
+        """What rows must share to run in one batch: what a captured decode step reads."""
+        s = self.sampling
+        if s.temperature == 0:
+            return (0.0, 1.0, 0, s.max_new_tokens, self.stop_ids)
+        return (s.temperature, s.top_p, s.top_k, s.max_new_tokens, self.stop_ids)
+
+    def finish(self, error: BaseException | None = None) -> None:
+        if not self.finished.is_set():
+            self.error = error
+            self.finished.set()
+
+    def wait(self, timeout: float | None = None) -> list[Generation]:
+        if not self.finished.wait(timeout):
+            raise TimeoutError("generate: still running")
+        if self.error is not None:
+            raise self.error
+        return self.results
+
+
 @dataclass
 class _Row:
+    request: Request
     prompt_index: int
     sample_index: int
     prompt_ids: list[int]
@@ -94,17 +173,22 @@ class _Row:
     # appends the rest and gives these lists to its `Generation`.
     ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    runs: list[tuple[int, int]] = field(default_factory=list)  # (weight version, from output token)
 
 
 @dataclass
 class _Waiting:
+    request: Request
     prompt_index: int
     prompt_ids: list[int]
     samples: list[int]  # sample indices not yet admitted
+    keys: tuple[int, list[bytes]] | None = None  # (weight version, prefix-cache keys of its full blocks)
 
 
 @dataclass(frozen=True)
 class CallStats:
+    """Of the last busy period (from the first request admitted to the scheduler going idle)."""
+
     rounds: int
     decode_steps: int
     prefills: int
@@ -114,100 +198,291 @@ class CallStats:
     host_s: float = 0.0  # the rest: stop strings, retiring rows (partly during the next decode), packing
 
 
+@dataclass
+class _Counters:
+    rounds: int = 0
+    decode_steps: int = 0
+    prefills: int = 0
+    max_rows: int = 0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    host_s: float = 0.0
+
+    def frozen(self) -> CallStats:
+        return CallStats(self.rounds, self.decode_steps, self.prefills, self.max_rows, self.prefill_s,
+                         self.decode_s, self.host_s)
+
+
+def versions_of(runs: list[tuple[int, int]], length: int) -> tuple[tuple[int, int], ...]:
+    """(version, tokens) runs of a row's `length` outputs from its (version, from token) marks."""
+    out: list[tuple[int, int]] = []
+    for (version, start), (_, end) in zip(runs, [*runs[1:], (None, length)]):
+        count = min(end, length) - min(start, length)
+        if count <= 0:
+            continue
+        if out and out[-1][0] == version:
+            out[-1] = (version, out[-1][1] + count)
+        else:
+            out.append((version, count))
+    return tuple(out)
+
+
 class Scheduler:
     def __init__(self, runner: ModelRunner, cache: PagedKVCache, tokenizer: Tokenizer, *, check_every: int,
-                 max_prefill_tokens: int):
+                 max_prefill_tokens: int, version: int = 0, prefix_cache: bool = False):
         self.runner, self.cache, self.tokenizer = runner, cache, tokenizer
+        self.prefix = PrefixCache(cache.allocator, cache.shape.block_size, version) if prefix_cache else None
         self.check_every, self.max_prefill_tokens = check_every, max_prefill_tokens
         self.last_stats = CallStats(0, 0, 0, 0)
+        self.version = version  # of the weights the next decode steps run with
+        self.hold_new = False  # admit only requests already started (an update draining them)
+        self._queues: dict[str, deque[_Waiting]] = {p: deque() for p in PRIORITIES}
+        self._waiting_rows = 0
+        self._live: list[Request] = []  # submitted and not finished, oldest first
+        self._rows: list[_Row] = []
+        self._made: list[int] = []  # tokens made per row, as of the last check
+        # Host work queued for while the next decode steps run (each says how long it waited for
+        # the device): finished rows handed back, outputs so far turned into lists.
+        self._pending: list[Callable[[], float]] = []
+        self._class: tuple | None = None
+        self._mode: StepMode | None = None
+        self._arrivals = itertools.count()
+        self._turn = 0  # eval or train admitted next (`_next_waiting`)
+        self._picks = 0  # classes picked so far (`_pick_class`)
+        self._epoch_rows = 0  # rows the running class admitted since it was picked
+        self._counters = _Counters()
+        self._collections: _Collections | None = None
+        self.rounds_run = 0  # over the scheduler's life
+
+    # ---- what callers see -------------------------------------------------------------------
+
+    def submit(self, request: Request) -> Request:
+        request.arrival = next(self._arrivals)
+        if not request.prompts:
+            request.finish()
+            return request
+        queue = self._queues[request.priority]
+        for i, prompt in enumerate(request.prompts):
+            queue.append(_Waiting(request, i, prompt, list(range(request.sampling.n))))
+        self._waiting_rows += len(request.results)
+        self._live.append(request)
+        return request
 
     def run(self, prompts_ids: list[list[int]], sampling_: Sampling, stop_ids: set[int], seed: int,
             cancelled: Callable[[], bool] | None = None, packed: PackedPrompts | None = None) -> list[Generation]:
-        """Generate `sampling_.n` completions per prompt; results are prompt-major (i * n + j).
-        `packed`: the same prompts as `validate_prompts` packed them (made here if not given)."""
-        n = sampling_.n
-        if packed is None:
-            packed = pack_prompts(prompts_ids)
-        greedy = sampling_.temperature == 0
-        mode = StepMode(greedy=greedy, top_k=0 if greedy else sampling_.top_k, top_p=not greedy and sampling_.top_p < 1)
-        self.runner.begin(temperature=sampling_.temperature, top_p=sampling_.top_p,
-                          max_new_tokens=sampling_.max_new_tokens, stop_ids=stop_ids)
-        # The caller's lists as they are (`_admit` copies them once their prefill is queued)
-        waiting = deque(_Waiting(i, p, list(range(n))) for i, p in enumerate(packed.as_lists(prompts_ids)))
-        rows: list[_Row] = []
-        results: list[Generation | None] = [None] * (len(prompts_ids) * n)
-        made = []  # tokens made per row, as of the last check
-        can_stop = bool(stop_ids or sampling_.stop)
-        rounds = steps = prefills = max_rows = 0
-        prefill_s = decode_s = host_s = 0.0
-        # Host work queued for while the next decode steps run (each says how long it waited for
-        # the device): finished rows handed back, outputs so far turned into lists.
-        pending: list[Callable[[], float]] = []
-        collections = _Collections()  # off until `restore`
+        """One call served here, round by round, until it is done (no other caller's thread):
+        `sampling_.n` completions per prompt, prompt-major (i * n + j). `packed`: the same
+        prompts as `validate_prompts` packed them (made here if not given)."""
+        packed = packed if packed is not None else pack_prompts(prompts_ids)
+        request = self.submit(Request(packed.as_lists(prompts_ids), packed, sampling_, frozenset(stop_ids), seed,
+                                      cancelled=cancelled))
+        while not request.finished.is_set():
+            self.round()
+        return request.wait()
+
+    @property
+    def busy(self) -> bool:
+        return bool(self._rows or self._pending or self._waiting_rows)
+
+    @property
+    def running(self) -> bool:
+        """Rows are in the batch, or their results still on the way to their requests."""
+        return bool(self._rows or self._pending)
+
+    def live(self) -> list[Request]:
+        return list(self._live)
+
+    def started(self) -> list[Request]:
+        """Requests with a row admitted that are not finished (what a drain waits for)."""
+        return [r for r in self._live if r.started]
+
+    # ---- between rounds ---------------------------------------------------------------------
+
+    def attach(self, runner: ModelRunner, cache: PagedKVCache) -> None:
+        """A new pool and runner (only while no row runs)."""
+        assert not self.running, "attach: rows are running"
+        self.runner, self.cache = runner, cache
+        self._class = None
+        if self.prefix is not None:  # a new pool: nothing of the old one is cached
+            self.prefix = PrefixCache(cache.allocator, cache.shape.block_size, self.version)
+
+    def set_version(self, version: int) -> None:
+        """The weights changed between rounds: the running rows' next tokens come from `version`."""
+        for row, made in zip(self._rows, self._made):
+            row.runs.append((version, made))
+        self.version = version
+        if self.prefix is not None:  # no KV of the old weights is ever matched again
+            self.prefix.clear(version)
+
+    def abort_running(self) -> int:
+        """End every running row now, finish_reason "abort", with its tokens so far (a request
+        whose prompts still wait goes on with those). Returns the rows ended."""
+        count = len(self._rows)
+        if count:
+            self._pending.append(self._retire(list(range(count)), list(self._made), {}, reason="abort"))
+            self._rows, self._made = [], []
+            self.runner.keep([])
+        self._flush()
+        return count
+
+    def fail(self, error: BaseException, requests: list[Request] | None = None) -> None:
+        """End `requests` (default: every live one) with `error`: their rows' blocks freed, their
+        waiting prompts dropped."""
+        targets = set(map(id, self._live if requests is None else requests))
+        dropped = [r for r in self._live if id(r) in targets]
+        for queue in self._queues.values():
+            kept = [w for w in queue if id(w.request) not in targets]
+            self._waiting_rows -= sum(len(w.samples) for w in queue) - sum(len(w.samples) for w in kept)
+            queue.clear()
+            queue.extend(kept)
+        keep = [k for k, row in enumerate(self._rows) if id(row.request) not in targets]
+        if len(keep) != len(self._rows):
+            self.cache.allocator.free([b for row in self._rows if id(row.request) in targets for b in row.blocks])
+            self.runner.keep(keep)
+            self._rows = [self._rows[k] for k in keep]
+            self._made = [self._made[k] for k in keep]
+        for request in dropped:
+            request.finish(error)
+        self._live = [r for r in self._live if id(r) not in targets]
+        if not self.busy:
+            self._idle()
+
+    # ---- a round ----------------------------------------------------------------------------
+
+    def round(self) -> None:
+        """Admit, decode a few steps, hand back what finished. An error fails every live request
+        (their blocks given back) and is raised."""
+        if self._collections is None:
+            self._collections = _Collections()  # off until the scheduler is idle
+            self._counters = _Counters()
+        self.rounds_run += 1
         try:
-            while waiting or rows:
-                if cancelled is not None and cancelled():
-                    raise GenerationCancelled("generate: the caller cancelled")
-                started = time.perf_counter()
-                admitted = self._admit(waiting, rows, seed, sampling_.max_new_tokens, mode, packed)
-                admitted_at = time.perf_counter()
-                prefill_s += admitted_at - started
-                prefills += admitted
-                made += [1] * (len(rows) - len(made))
-                max_rows = max(max_rows, len(rows))
-                todo = self._steps_before_check(made, sampling_.max_new_tokens, can_stop)
-                if todo > 0:
-                    self.runner.decode(len(rows), todo, mode)
-                    steps += todo
-                for work in pending:  # while those steps run
-                    spent, waited = _timed(work)
-                    host_s += spent - waited
-                    decode_s += waited
-                    admitted_at += spent  # (not the decode's)
-                pending = []
-                if todo > 0:
-                    collections.collect_due()  # while those steps run too
-                if can_stop:
-                    done, made = self.runner.read(len(rows))
-                    stopped = self._stop_strings(rows, made, done, sampling_.stop) if sampling_.stop else {}
-                    finished = [k for k in range(len(rows)) if done[k] or k in stopped]
-                else:
-                    # Nothing but its length limit ends a row, so the host knows which rows these
-                    # steps finish without reading anything: their outputs are queued to be copied
-                    # out after the steps, and waited for only when they are handed back.
-                    stopped, made = {}, [m + todo for m in made]
-                    finished = [k for k, m in enumerate(made) if m >= sampling_.max_new_tokens]
-                    if not finished:
-                        # None finishes: the rows' outputs so far are copied out after these steps
-                        # and turned into lists while the next ones run, which waits for this
-                        # round only then (the device runs on, and a cancel is still seen within
-                        # a round or two), and leaves less to do when the rows finish.
-                        if rows:
-                            pending.append(self._outputs_so_far(rows, made))
-                        rounds += 1
-                        decode_s += time.perf_counter() - admitted_at
-                        continue
-                read_at = time.perf_counter()
-                decode_s += read_at - admitted_at
-                if finished:
-                    pending.append(self._retire(rows, finished, made, stopped, stop_ids, results, n))
-                    finished_set = set(finished)
-                    keep = [k for k in range(len(rows)) if k not in finished_set]
-                    self.runner.keep(keep)
-                    rows = [rows[k] for k in keep]
-                    made = [made[k] for k in keep]
-                rounds += 1
-                host_s += time.perf_counter() - read_at
-            for work in pending:
-                spent, waited = _timed(work)
-                host_s += spent - waited
-                decode_s += waited
-        finally:
-            collections.restore()
-            for row in rows:  # an error or a cancel mid-call: give every block back
-                self.cache.allocator.free(row.blocks)
-        self.last_stats = CallStats(rounds, steps, prefills, max_rows, prefill_s, decode_s, host_s)
-        return results  # type: ignore[return-value]
+            self._round()
+        except BaseException as e:
+            self._pending = []
+            self.fail(e)
+            raise
+        if not self.busy:
+            self._idle()
+
+    def _idle(self) -> None:
+        self._flush()
+        if self._collections is not None:
+            self._collections.restore()
+            self._collections = None
+        self.last_stats = self._counters.frozen()
+
+    def _flush(self) -> None:
+        c = self._counters
+        for work in self._pending:
+            spent, waited = _timed(work)
+            c.host_s += spent - waited
+            c.decode_s += waited
+        self._pending = []
+
+    def _round(self) -> None:
+        c = self._counters
+        for request in list(self._live):
+            if request.cancelled is not None and request.cancelled():
+                self.fail(GenerationCancelled("generate: the caller cancelled"), [request])
+        started = time.perf_counter()
+        if not self._rows:
+            self._flush()  # (their rows are gone: nothing to overlap)
+            self._pick_class()
+        admitted = self._admit() if self._class is not None else 0
+        rows = self._rows
+        if not rows:
+            self._flush()
+            return
+        admitted_at = time.perf_counter()
+        c.prefill_s += admitted_at - started
+        c.prefills += admitted
+        self._made += [1] * (len(rows) - len(self._made))
+        made = self._made
+        c.max_rows = max(c.max_rows, len(rows))
+        max_new = self._class[3]
+        can_stop = bool(self._class[4]) or any(row.request.sampling.stop for row in rows)
+        todo = self._steps_before_check(made, max_new, can_stop)
+        if todo > 0:
+            self.runner.decode(len(rows), todo, self._mode)
+            c.decode_steps += todo
+        for work in self._pending:  # while those steps run
+            spent, waited = _timed(work)
+            c.host_s += spent - waited
+            c.decode_s += waited
+            admitted_at += spent  # (not the decode's)
+        self._pending = []
+        if todo > 0:
+            self._collections.collect_due()  # while those steps run too
+        if can_stop:
+            done, made = self.runner.read(len(rows))
+            stopped = self._stop_strings(rows, made, done)
+            finished = [k for k in range(len(rows)) if done[k] or k in stopped]
+        else:
+            # Nothing but its length limit ends a row, so the host knows which rows these steps
+            # finish without reading anything: their outputs are queued to be copied out after
+            # the steps, and waited for only when they are handed back.
+            stopped, made = {}, [m + todo for m in made]
+            finished = [k for k, m in enumerate(made) if m >= max_new]
+            if not finished:
+                # None finishes: the rows' outputs so far are copied out after these steps and
+                # turned into lists while the next ones run, which waits for this round only then
+                # (the device runs on, and a cancel is still seen within a round or two), and
+                # leaves less to do when the rows finish.
+                self._pending.append(self._outputs_so_far(rows, made))
+                self._made = made
+                c.rounds += 1
+                c.decode_s += time.perf_counter() - admitted_at
+                return
+        read_at = time.perf_counter()
+        c.decode_s += read_at - admitted_at
+        if finished:
+            self._pending.append(self._retire(finished, made, stopped))
+            finished_set = set(finished)
+            keep = [k for k in range(len(rows)) if k not in finished_set]
+            self.runner.keep(keep)
+            self._rows = [rows[k] for k in keep]
+            made = [made[k] for k in keep]
+        self._made = made
+        c.rounds += 1
+        c.host_s += time.perf_counter() - read_at
+
+    def _pick_class(self) -> None:
+        """With no row running: the class that runs next. Picks alternate between the class of
+        the oldest waiting eval request and that of the oldest waiting request of any priority."""
+        candidates = [r for r in self._live if r.unadmitted > 0 and (r.started or not self.hold_new)]
+        if not candidates:
+            return
+        evals = [r for r in candidates if r.priority == "eval"]
+        prefer_eval = self._picks % 2 == 0 and evals
+        self._picks += 1
+        wanted = min(evals if prefer_eval else candidates, key=lambda r: r.arrival).batch_class
+        self._epoch_rows = 0
+        if wanted == self._class:
+            return
+        temperature, top_p, top_k, max_new, stop_ids = wanted
+        greedy = temperature == 0
+        self._class = wanted
+        self._mode = StepMode(greedy=greedy, top_k=top_k, top_p=not greedy and top_p < 1)
+        self.runner.begin(temperature=temperature, top_p=top_p, max_new_tokens=max_new, stop_ids=set(stop_ids))
+
+    def _budget(self) -> float:
+        """Rows the running class may still admit: once another class waits, a batch's worth
+        (`capacity` rows since the class was picked), then its rows finish and the batch switches."""
+        others = any(r.unadmitted > 0 and r.batch_class != self._class and (r.started or not self.hold_new)
+                     for r in self._live)
+        return self.runner.capacity - self._epoch_rows if others else float("inf")
+
+    def _next_waiting(self) -> deque | None:
+        """The queue whose head is admitted next: eval and train in turn, a prompt each."""
+        order = PRIORITIES if self._turn % 2 == 0 else PRIORITIES[::-1]
+        for priority in order:
+            queue = self._queues[priority]
+            if queue:
+                request = queue[0].request
+                if (request.started or not self.hold_new) and request.batch_class == self._class:
+                    return queue
+        return None
 
     def _steps_before_check(self, made: list[int], max_new: int, can_stop: bool) -> int:
         """Decode steps to run before the host looks again. A row with no stop token or string
@@ -222,75 +497,120 @@ class Scheduler:
         first = min((n for n in left if n > 0), default=0)
         return min(MAX_UNCHECKED_STEPS, first if first <= LAST_ROUND_STEPS else max(1, first - LAST_ROUND_STEPS))
 
-    def _admit(self, waiting: deque, rows: list[_Row], seed: int, max_new: int, mode: StepMode,
-               packed: PackedPrompts) -> int:
-        """Prefill as many waiting prompts as slots, blocks and the prefill budget allow (their
-        ids taken from `packed`)."""
+    def _admit(self) -> int:
+        """Prefill as many waiting prompts as slots, blocks and the prefill budget allow."""
         bs = self.cache.shape.block_size
         allocator = self.cache.allocator
+        rows = self._rows
+        max_new = self._class[3]
         free = self.runner.capacity - len(rows)
-        if rows and waiting and free < min(self.runner.capacity // 4, sum(len(w.samples) for w in waiting)):
+        if rows and self._waiting_rows and free < min(self.runner.capacity // 4, self._waiting_rows):
             return 0  # a prefill costs a forward however few rows it starts: wait for a quarter of the slots
         # Planned first, then every block taken in one allocation: the same blocks, in the same
         # order, as one allocation a prompt (256 of them cost ~0.3 ms of host time before the prefill).
-        indices, plan = [], []
+        plan = []
         tokens = taken = reserved = 0
         slots, free_blocks = self.runner.capacity - len(rows), allocator.num_free
-        while waiting:
-            item = waiting[0]
+        slots = int(min(slots, max(0, self._budget())))
+        while True:
+            queue = self._next_waiting()
+            if queue is None:
+                break
+            item = queue[0]
             length = len(item.prompt_ids)
             count = min(len(item.samples), slots - taken)
-            if count == 0 or (indices and tokens + length > self.max_prefill_tokens):
+            if count == 0 or (plan and tokens + length > self.max_prefill_tokens):
                 break
             shared = length // bs  # blocks the prompt fills completely
             per_row = -(-(length + max_new) // bs)
-            need = shared + count * (per_row - shared)
+            hit = self._cached_prefix(item)  # blocks held already, this plan's references taken
+            need = shared - len(hit) + count * (per_row - shared)
+            if need > free_blocks - reserved and self.prefix is not None:
+                free_blocks += self.prefix.evict(need - (free_blocks - reserved))
             if need > free_blocks - reserved:
                 if rows or plan:
+                    allocator.free(hit)
                     break  # wait for rows to finish
                 if per_row > allocator.num_blocks - 1:
-                    raise PromptTooLong(
+                    allocator.free(hit)
+                    self.fail(PromptTooLong(
                         f"prompts_ids: prompt {item.prompt_index} ({length} tokens) plus max_new_tokens={max_new} "
-                        f"needs {per_row} KV blocks of {bs} tokens; the cache has {allocator.num_blocks - 1}")
-                count = max(1, min(count, (free_blocks - shared) // max(1, per_row - shared)))
-                need = shared + count * (per_row - shared)
-            indices.append(item.prompt_index)
-            # (the prompt, where its blocks start in the allocation: the shared ones, then each sample's own)
-            plan.append((item, reserved, item.samples[:count], shared, per_row - shared))
+                        f"needs {per_row} KV blocks of {bs} tokens; the cache has {allocator.num_blocks - 1}"),
+                        [item.request])
+                    continue
+                if self.prefix is not None:  # nothing runs: every cached block but its own may go
+                    free_blocks += self.prefix.evict(len(self.prefix))
+                count = max(1, min(count, (free_blocks - shared + len(hit)) // max(1, per_row - shared)))
+                need = shared - len(hit) + count * (per_row - shared)
+            if self.prefix is not None:
+                self.prefix.record(length, len(hit))
+            # (the prompt, where its blocks start in the allocation: the shared ones not cached, then
+            # each sample's own; the cached blocks it starts with)
+            plan.append((item, reserved, item.samples[:count], shared - len(hit), per_row - shared, hit))
+            item.request.started = True
             reserved += need
             tokens += length
             taken += count
+            self._waiting_rows -= count
+            self._epoch_rows += count
+            item.request.unadmitted -= count
+            self._turn += 1
             item.samples = item.samples[count:]
             if not item.samples:
-                waiting.popleft()
-        if not indices:
+                queue.popleft()
+        if not plan:
             return 0
         every = allocator.allocate(reserved)
         tables = []  # each prompt's first sample's: the shared blocks, then its own
-        for _, first, samples, shared, own_count in plan:
+        for _, first, samples, shared, own_count, hit in plan:
             for _ in range(len(samples) - 1):
-                allocator.share(every[first : first + shared])
-            tables.append(every[first : first + shared + own_count])
+                allocator.share(hit + every[first : first + shared])
+            tables.append(hit + every[first : first + shared + own_count])
         # The prefill is queued first and the rows are made while it runs: the host's work per
         # row (a sampling key, the row's records) would otherwise be time the device sits idle.
-        logits = self.runner.prefill(packed, indices, tables)
+        first_request = plan[0][0].request
+        if all(item.request is first_request for item, *_ in plan):  # one caller's: its packed ids
+            packed, indices = first_request.packed, [item.prompt_index for item, *_ in plan]
+        else:
+            packed, indices = pack_prompts([item.prompt_ids for item, *_ in plan]), list(range(len(plan)))
+        logits = self.runner.prefill(packed, indices, tables, [len(hit) * bs for *_, hit in plan])
         new, new_rows, copies_src, copies_dst = [], [], [], []
-        for group, (item, first, samples, shared, own_count) in enumerate(plan):
+        for group, (item, first, samples, shared, own_count, hit) in enumerate(plan):
             prompt_ids = list(item.prompt_ids)  # the results' own, whatever the caller does with theirs
-            blocks = every[first : first + shared + len(samples) * own_count]
+            blocks = hit + every[first : first + shared + len(samples) * own_count]
+            shared = len(hit) + shared
             shared_blocks = blocks[:shared]
+            if self.prefix is not None:  # its full blocks, for later prompts (their KV is queued)
+                self.prefix.insert(item.keys[1][len(hit):shared], shared_blocks[len(hit):])
             partial = len(prompt_ids) % bs
+            request = item.request
             for i, j in enumerate(samples):
                 table = shared_blocks + blocks[shared + i * own_count : shared + (i + 1) * own_count]
                 if i > 0 and partial:  # the prompt's last, partly filled block: each sample its own copy
                     copies_src.append(blocks[shared])
                     copies_dst.append(table[shared])
-                new.append(_Row(item.prompt_index, j, prompt_ids, table))
-                new_rows.append(NewRow(table, len(prompt_ids), sampling.row_key(seed, item.prompt_index, j), group))
-        self.runner.start(logits, new_rows, len(rows), mode)
+                new.append(_Row(request, item.prompt_index, j, prompt_ids, table, runs=[(self.version, 0)]))
+                new_rows.append(NewRow(table, len(prompt_ids), sampling.row_key(request.seed, item.prompt_index, j),
+                                       group))
+        self.runner.start(logits, new_rows, len(rows), self._mode)
         self.cache.copy_blocks(copies_src, copies_dst)
         rows.extend(new)
-        return len(indices)
+        return len(plan)
+
+    def _cached_prefix(self, item: _Waiting) -> list[int]:
+        """The cached blocks a waiting prompt starts with, one reference taken to each (never
+        all of the prompt: its last token is prefilled, for its logits)."""
+        if self.prefix is None:
+            return []
+        if self.prefix.allocator is not self.cache.allocator:  # the pool was made again
+            self.prefix = PrefixCache(self.cache.allocator, self.cache.shape.block_size, self.version)
+        if item.keys is None or item.keys[0] != self.version:
+            item.keys = (self.version, self.prefix.keys(item.prompt_ids))
+        keys = item.keys[1]
+        usable = (len(item.prompt_ids) - 1) // self.cache.shape.block_size
+        hit = self.prefix.match(keys[:usable])
+        self.cache.allocator.share(hit)
+        return hit
 
     def _outputs_so_far(self, rows: list[_Row], made: list[int]) -> Callable[[], float]:
         """Copy the rows' outputs not yet on the host (up to `made`) out after the steps queued so
@@ -306,15 +626,18 @@ class Scheduler:
 
         return append
 
-    def _stop_strings(self, rows: list[_Row], made: list[int], done: list[bool], stops: tuple[str, ...]) -> dict[int, tuple[int, str]]:
-        """Rows whose text now holds a stop string: row -> (tokens to keep, text cut after it).
-        Keeps the earliest token that completed a stop string, as a check after every step would."""
+    def _stop_strings(self, rows: list[_Row], made: list[int], done: list[bool]) -> dict[int, tuple[int, str]]:
+        """Rows whose text now holds one of their request's stop strings: row -> (tokens to keep,
+        text cut after it). Keeps the earliest token that completed a stop string, as a check
+        after every step would."""
         hits: dict[int, tuple[int, str]] = {}
-        width = max(made, default=0)
+        searching = [k for k, row in enumerate(rows) if row.request.sampling.stop]
+        width = max((made[k] for k in searching), default=0)
         if width == 0:
             return hits
         outputs = self.runner.tokens_so_far(len(rows), width)
-        for k, row in enumerate(rows):
+        for k in searching:
+            row, stops = rows[k], rows[k].request.sampling.stop
             ids = outputs[k][: made[k]]
             if row.searched >= len(ids) or not any(s in self.tokenizer.decode(ids) for s in stops):
                 row.searched = len(ids)
@@ -330,12 +653,15 @@ class Scheduler:
             self.runner.finish([k for k in hits if not done[k]])
         return hits
 
-    def _retire(self, rows: list[_Row], finished: list[int], made: list[int], stopped: dict[int, tuple[int, str]],
-                stop_ids: set[int], results: list, n: int) -> Callable[[], float]:
+    def _retire(self, finished: list[int], made: list[int], stopped: dict[int, tuple[int, str]],
+                reason: str | None = None) -> Callable[[], float]:
         """Hand rows `finished` back: their outputs copied out (queued on the device before the
         rows are packed over) and their blocks freed now, for this round's admissions; the
-        returned function turns the copies into `Generation`s in `results`, to be called while
-        the next decode steps run, and says how many seconds of that it waited for the copies."""
+        returned function turns the copies into `Generation`s of their requests, to be called
+        while the next decode steps run, and says how many seconds of that it waited for the
+        copies. `reason` overrides the finish reason (an abort)."""
+        rows = self._rows
+        stop_ids = self._class[4]
         lengths = [stopped[k][0] if k in stopped else made[k] for k in finished]
         done_rows = [rows[k] for k in finished]
         copied = self.runner.outputs_async(finished, lengths, start=min(len(row.ids) for row in done_rows))
@@ -343,6 +669,7 @@ class Scheduler:
         for row in done_rows:
             row.blocks = []
         stops = [stopped.get(k) for k in finished]
+        versions = [versions_of(row.runs, length) for row, length in zip(done_rows, lengths)]
 
         def hand_back() -> float:
             waited = copied.wait()
@@ -350,16 +677,27 @@ class Scheduler:
             plain = [i for i, stop in enumerate(stops) if stop is None]
             texts = dict(zip(plain, self.tokenizer.decode_batch([outputs[i][0] for i in plain]))) if plain else {}
             for i, (row, (ids, logprobs), stop) in enumerate(zip(done_rows, outputs, stops)):
+                request = row.request
+                if request.finished.is_set():  # cancelled or failed meanwhile
+                    continue
                 if stop is not None:
-                    text, reason = stop[1], "stop"
+                    text, why = stop[1], "stop"
                 else:
-                    text, reason = texts[i], "stop" if ids and ids[-1] in stop_ids else "length"
+                    text, why = texts[i], "stop" if ids and ids[-1] in stop_ids else "length"
                 # With n = 1 a row's prompt list is its own (`_admit` copied the caller's) and nothing
                 # else keeps it; the n samples of a prompt share theirs, so each result takes a copy.
+                n = request.sampling.n
                 prompt_ids = row.prompt_ids if n == 1 else list(row.prompt_ids)
-                results[row.prompt_index * n + row.sample_index] = Generation(
+                index = row.prompt_index * n + row.sample_index
+                result = request.results[index] = Generation(
                     prompt_index=row.prompt_index, prompt_ids=prompt_ids, output_ids=ids, text=text,
-                    logprobs=logprobs, finish_reason=reason)
+                    logprobs=logprobs, finish_reason=reason or why, versions=versions[i])
+                if request.on_result is not None:
+                    request.on_result(index, result)
+                request.left -= 1
+                if request.left == 0:
+                    self._live.remove(request)
+                    request.finish()
             return waited
 
         return hand_back

@@ -1,0 +1,348 @@
+"""The built-in engine as a server: every caller's rows in one running batch, joining and leaving
+it between rounds, each call answered (or streamed) as its own rows finish, one caller's cancel
+touching no one else, eval and train requests both admitted, and weight updates between rounds
+under the three policies, with every token tagged by the version that sampled it."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from services.models.decoder import DecoderLM, init_weights
+from services.rollout.builtin.scheduler import GenerationCancelled, versions_of
+from services.rollout.engine import RolloutEngine, RolloutSettings
+from services.rollout.receiver import Staging
+from services.rollout.types import Sampling
+from services.weights.apply import named_weights
+from services.weights.buckets import pack_bucket, plan_buckets
+from services.weights.manifest import make_manifest, manifest_to_proto
+
+torch.set_num_threads(1)
+
+SEEDED = Sampling(temperature=1.0, max_new_tokens=24, seed=5, ignore_eos=True)
+GREEDY = Sampling(temperature=0.0, max_new_tokens=24, ignore_eos=True)
+
+
+def _engine(model_dir, device: str = "cpu", **settings) -> RolloutEngine:
+    return RolloutEngine(RolloutSettings(model_path=str(model_dir), load_weights=False, seed=3, device=device,
+                                         **settings))
+
+
+def _prompt(i: int) -> list[int]:
+    return [3 + i % 11, 4 + (i * 7) % 9, 5]
+
+
+def _solo(model_dir, prompts, sampling, device: str = "cpu", **settings):
+    engine = _engine(model_dir, device, **settings)
+    try:
+        return engine.generate(prompts, sampling)[0]
+    finally:
+        engine.close()
+
+
+def _concurrently(calls):
+    """Run each call on its own thread at once; their results (or exceptions), in order."""
+    out: list = [None] * len(calls)
+    barrier = threading.Barrier(len(calls))
+
+    def run(i, call):
+        barrier.wait()
+        try:
+            out[i] = call()
+        except BaseException as e:  # noqa: BLE001 (handed to the test)
+            out[i] = e
+
+    threads = [threading.Thread(target=run, args=(i, c)) for i, c in enumerate(calls)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    return out
+
+
+def _all_blocks_back(engine: RolloutEngine) -> bool:
+    allocator = engine.core.cache.allocator
+    return allocator.num_free == allocator.num_blocks - 1
+
+
+def test_concurrent_callers_share_one_batch_and_get_their_own_tokens(tiny_model_dir):
+    check_concurrent_callers(tiny_model_dir, "cpu")
+
+
+def check_concurrent_callers(tiny_model_dir, device: str) -> None:
+    """32 one-prompt callers at once: they run together (the batch holds many of them at a time),
+    and each gets exactly what it gets alone (its draws depend on its own seed and row only)."""
+    engine = _engine(tiny_model_dir, device, max_batch_size=64)
+    prompts = [_prompt(i) for i in range(32)]
+    samplings = [Sampling(**{**SEEDED.__dict__, "seed": 100 + i}) for i in range(32)]
+    results = _concurrently([lambda p=p, s=s: engine.generate([p], s)[0] for p, s in zip(prompts, samplings)])
+    stats = engine.core.scheduler.last_stats
+    alone = [_solo(tiny_model_dir, [p], s, device, max_batch_size=64) for p, s in zip(prompts[:6], samplings[:6])]
+    engine.close()
+    assert all(isinstance(r, list) for r in results), results
+    assert stats.max_rows > 8  # callers' rows ran side by side, not a call at a time
+    assert stats.rounds < 32 * SEEDED.max_new_tokens / 4  # far fewer rounds than one call after another
+    assert [r[0].output_ids for r in results[:6]] == [a[0].output_ids for a in alone]
+    assert len({tuple(r[0].output_ids) for r in results}) > 16  # their own seeds: different samples
+    assert all(r[0].versions == ((0, SEEDED.max_new_tokens),) for r in results)
+
+
+def test_each_completion_is_reported_as_it_finishes(tiny_model_dir):
+    """A request's completions come back one by one: the first is reported while others of the
+    same request are still generating, and every index comes exactly once."""
+    engine = _engine(tiny_model_dir, max_batch_size=16)
+    sampling = Sampling(temperature=1.0, max_new_tokens=40, seed=2, n=8, stop_token_ids=(7, 9, 11))
+    seen, still_running = [], []
+    holder = {}
+
+    def on_result(index, generation):
+        request = holder["request"]
+        still_running.append(sum(row.request is request for row in engine.core.scheduler._rows))
+        seen.append((index, generation))
+
+    holder["request"] = engine.submit([_prompt(1), _prompt(2)], sampling, on_result=on_result)
+    results = holder["request"].wait(60)
+    engine.close()
+    assert sorted(i for i, _ in seen) == list(range(16))
+    assert [results[i] for i, _ in seen] == [g for _, g in seen]
+    assert still_running[0] > 0  # reported while rows of its request still ran
+    assert len({len(g.output_ids) for _, g in seen}) > 1
+
+
+def test_one_caller_cancelling_leaves_the_others_untouched(tiny_model_dir):
+    engine = _engine(tiny_model_dir, max_batch_size=32)
+    flag = threading.Event()
+    polls = []
+
+    def cancelled():
+        polls.append(1)
+        if len(polls) == 4:
+            flag.set()
+        return flag.is_set()
+
+    prompts = [_prompt(i) for i in range(8)]
+    calls = [lambda p=p: engine.generate([p], GREEDY)[0] for p in prompts]
+    # (a stop string that never comes: the batch is looked at every step, a poll a round)
+    calls.append(lambda: engine.generate([_prompt(20)] * 4, Sampling(**{**GREEDY.__dict__, "stop": ("never said",)}),
+                                         cancelled=cancelled))
+    results = _concurrently(calls)
+    assert isinstance(results[-1], GenerationCancelled)
+    alone = _solo(tiny_model_dir, prompts, GREEDY, max_batch_size=32)
+    assert [r[0].output_ids for r in results[:-1]] == [a.output_ids for a in alone]
+    assert _all_blocks_back(engine)
+    engine.close()
+
+
+def test_a_pool_too_small_for_every_row_finishes_them_all_with_the_same_tokens(tiny_model_dir, monkeypatch):
+    """64 rows from 16 callers into a KV pool that holds three rows at a time: every row waits
+    for blocks rather than being refused, and the greedy tokens are those of an unpressured run."""
+    engine = _engine(tiny_model_dir, max_batch_size=64)
+    rows_blocks = engine.core.shape.blocks_for(3 + GREEDY.max_new_tokens)
+    monkeypatch.setattr(engine.core, "_cpu_blocks", lambda longest, rows: 3 * rows_blocks + 1)
+    prompts = [[_prompt(4 * c + k) for k in range(4)] for c in range(16)]
+    results = _concurrently([lambda p=p: engine.generate(p, GREEDY)[0] for p in prompts])
+    assert engine.core.scheduler.last_stats.max_rows <= 3
+    assert _all_blocks_back(engine)
+    engine.close()
+    free = _solo(tiny_model_dir, [p for group in prompts for p in group], GREEDY, max_batch_size=64)
+    assert [g.output_ids for r in results for g in r] == [g.output_ids for g in free]
+
+
+def test_an_eval_request_is_admitted_while_train_rows_fill_the_batch(tiny_model_dir):
+    """256 train rows waiting behind a full batch of 16: an eval request of the same settings
+    (admitted in turn with train, a prompt each) finishes long before the train rows queued ahead
+    of it; one of other settings (greedy) waits only for the rows running, not for the queue,
+    and the train requests after it do not overtake it."""
+    engine = _engine(tiny_model_dir, max_batch_size=16)
+    done_at: dict[str, float] = {}
+    train = [engine.submit([_prompt(i)], SEEDED, on_result=lambda i, g, k=k: done_at.setdefault(f"t{k}", time.monotonic()))
+             for k, i in enumerate(range(256))]
+    time.sleep(0.05)  # the batch is running
+    before = len(done_at)  # train rows already done when the eval requests arrive
+    same = engine.submit([_prompt(3)], Sampling(**{**SEEDED.__dict__, "seed": 9}), priority="eval")
+    other = engine.submit([_prompt(4)], GREEDY, priority="eval")
+    after = engine.submit([_prompt(5)], SEEDED)
+    same.wait(120)
+    finished_same = time.monotonic()
+    other.wait(120)
+    finished_other = time.monotonic()
+    after.wait(120)
+    for r in train:
+        r.wait(120)
+    engine.close()
+    train_done = sorted(done_at.values())
+    assert before < 192, "the machine ran the whole train queue before the eval request came"
+    assert sum(t < finished_same for t in train_done) - before < 64  # most train rows queued ahead of it were not
+    assert sum(t < finished_other for t in train_done) < 256  # it did not wait for the whole queue ...
+    assert max(train_done) > finished_other  # ... train rows ran after it ...
+    assert same.results[0].output_ids and other.results[0].output_ids and after.results[0].output_ids
+
+
+# ---- weight updates while generating --------------------------------------------------------
+
+BUCKET_BYTES = 64 << 10
+
+
+def _versions(engine: RolloutEngine, count: int) -> list[dict[str, torch.Tensor]]:
+    """Weights for versions 1..count that differ only in the final norm: the keys and values a
+    prefix leaves in the cache are the same under all of them, so a teacher-forced forward under
+    one version's weights recomputes exactly the logprobs that version sampled with."""
+    base = DecoderLM(engine.model_config)
+    init_weights(base, seed=11)
+    weights = {name: t.detach().clone() for name, t in named_weights(base)}
+    out = []
+    for v in range(count):
+        gen = torch.Generator().manual_seed(v)
+        changed = dict(weights)
+        changed["model.norm.weight"] = weights["model.norm.weight"] * (0.5 + 2 * torch.rand(
+            weights["model.norm.weight"].shape, generator=gen))
+        out.append(changed)
+    return out
+
+
+def _update(engine: RolloutEngine, staging: Staging, weights, version: int, policy: str) -> None:
+    buckets = plan_buckets(list(weights.items()), BUCKET_BYTES)
+    flats = [pack_bucket(b, weights) for b in buckets]
+    manifest = engine.read_manifest(manifest_to_proto(make_manifest(version, "gpu", buckets, flats, "xxh3")))
+    buffers = staging.buffers(manifest)
+    for buffer, flat in zip(buffers, flats):
+        buffer.copy_(flat)
+    engine.apply(manifest, buffers, adopt=True, owned=True, policy=policy)
+    staging.adopted(buffers, kept=engine.holds_buffers)
+
+
+def _teacher_forced(config, weights, ids: list[int], device: str = "cpu") -> torch.Tensor:
+    model = DecoderLM(config).to(device)
+    with torch.no_grad():
+        for name, t in named_weights(model):
+            t.copy_(weights[name])
+        return torch.log_softmax(model(torch.tensor([ids], device=device))[0].double(), dim=-1).cpu()
+
+
+def _rounds(engine: RolloutEngine) -> int:
+    return engine.core.scheduler.rounds_run
+
+
+def _after_rounds(engine: RolloutEngine, count: int) -> None:
+    start = _rounds(engine)
+    deadline = time.monotonic() + 30
+    while _rounds(engine) < start + count and time.monotonic() < deadline:
+        time.sleep(0.001)
+
+
+def test_pause_swaps_between_steps_and_every_token_names_the_weights_that_sampled_it(tiny_model_dir):
+    check_pause_versions(tiny_model_dir, "cpu", tolerance=1e-4)
+
+
+def check_pause_versions(tiny_model_dir, device: str, tolerance: float) -> None:
+    """Streaming callers run across five updates with `pause`: completions span versions, and
+    each token's logprob is the one its claimed version's weights give (teacher-forced), not the
+    one the version before or after gives."""
+    engine = _engine(tiny_model_dir, device, max_batch_size=8)
+    versions = _versions(engine, 6)
+    staging = Staging(engine.device)
+    _update(engine, staging, versions[0], 1, "drain")
+    # (a stop string that never comes: a round a step, so updates land between any two tokens)
+    sampling = Sampling(temperature=1.0, max_new_tokens=40, seed=1, ignore_eos=True, stop=("never said",))
+    requests = [engine.submit([_prompt(i)], Sampling(**{**sampling.__dict__, "seed": i}), on_result=lambda i, g: None)
+                for i in range(24)]
+    for v in range(2, 7):
+        _after_rounds(engine, 6)
+        _update(engine, staging, versions[v - 1], v, "pause")
+    results = [g for r in requests for g in r.wait(120)]
+    engine.close()
+    spanning = [g for g in results if len(g.versions) > 1]
+    assert len(spanning) >= 5 and {v for g in results for v, _ in g.versions} >= {1, 2, 3, 4, 5, 6}
+    checked = discriminating = 0
+    for g in results:
+        assert sum(n for _, n in g.versions) == len(g.output_ids) == 40
+        claimed = [v for v, n in g.versions for _ in range(n)]
+        ids = g.prompt_ids + g.output_ids
+        tables = {v: _teacher_forced(engine.model_config, versions[v - 1], ids, device) for v in set(claimed) | {
+            c + 1 for c in claimed if c < 6} | {c - 1 for c in claimed if c > 1}}
+        start = len(g.prompt_ids) - 1
+        for k, (token, logprob, v) in enumerate(zip(g.output_ids, g.logprobs, claimed)):
+            assert logprob == pytest.approx(tables[v][start + k, token].item(), abs=tolerance), (g.versions, k)
+            checked += 1
+            others = [tables[w][start + k, token].item() for w in (v - 1, v + 1) if w in tables]
+            discriminating += all(abs(o - logprob) > 10 * tolerance for o in others)
+    assert checked == 24 * 40 and discriminating > 0.9 * checked  # another version would be caught
+
+
+def test_abort_ends_running_rows_with_their_tokens_and_waiting_rows_run_on_the_new_weights(tiny_model_dir):
+    check_abort(tiny_model_dir, "cpu")
+
+
+def check_abort(tiny_model_dir, device: str) -> None:
+    engine = _engine(tiny_model_dir, device, max_batch_size=4)
+    versions = _versions(engine, 2)
+    staging = Staging(engine.device)
+    _update(engine, staging, versions[0], 1, "drain")
+    sampling = Sampling(temperature=1.0, max_new_tokens=40, seed=1, ignore_eos=True, stop=("never said",))
+    request = engine.submit([_prompt(i) for i in range(12)], sampling)  # a round a step: 4 rows at step 5
+    _after_rounds(engine, 5)
+    _update(engine, staging, versions[1], 2, "abort")
+    results = request.wait(60)
+    engine.close()
+    aborted = [g for g in results if g.finish_reason == "abort"]
+    assert len(aborted) == 4  # the batch's four running rows
+    assert all(0 < len(g.output_ids) < 40 and len(g.logprobs) == len(g.output_ids) for g in aborted)
+    assert all(g.versions == ((1, len(g.output_ids)),) for g in aborted)
+    rest = [g for g in results if g.finish_reason != "abort"]
+    assert len(rest) == 8 and all(g.versions == ((2, 40),) for g in rest)
+
+
+def test_drain_waits_for_started_requests_and_holds_new_ones(tiny_model_dir):
+    """Today's behaviour: the update waits for the call in flight (all its tokens from the old
+    version); a call that arrives during the drain starts after it, all from the new one."""
+    engine = _engine(tiny_model_dir, max_batch_size=4)
+    versions = _versions(engine, 2)
+    staging = Staging(engine.device)
+    _update(engine, staging, versions[0], 1, "drain")
+    sampling = Sampling(temperature=1.0, max_new_tokens=40, seed=1, ignore_eos=True)
+    first = engine.submit([_prompt(i) for i in range(12)], sampling)  # more rows than slots
+    _after_rounds(engine, 3)
+    updating = threading.Thread(target=_update, args=(engine, staging, versions[1], 2, "drain"))
+    updating.start()
+    time.sleep(0.05)
+    later = engine.submit([_prompt(1)], sampling)
+    updating.join(60)
+    assert engine.weight_version == 2
+    assert all(g.versions == ((1, 40),) for g in first.wait(60))
+    assert later.wait(60)[0].versions == ((2, 40),)
+    engine.close()
+
+
+def test_a_failed_update_ends_the_rows_that_were_running_and_serves_nothing_mixed(tiny_model_dir):
+    from services.rollout.engine import EngineUnavailable
+
+    engine = _engine(tiny_model_dir, max_batch_size=4)
+    versions = _versions(engine, 2)
+    staging = Staging(engine.device)
+    _update(engine, staging, versions[0], 1, "drain")
+    request = engine.submit([_prompt(i) for i in range(4)], Sampling(max_new_tokens=40, seed=1, ignore_eos=True,
+                                                                     stop=("never said",)))
+    _after_rounds(engine, 3)
+    buckets = plan_buckets(list(versions[1].items()), BUCKET_BYTES)
+    flats = [pack_bucket(b, versions[1]) for b in buckets]
+    manifest = engine.read_manifest(manifest_to_proto(make_manifest(2, "gpu", buckets, flats, "xxh3")))
+    buffers = staging.buffers(manifest)
+    for buffer, flat in zip(buffers, flats):
+        buffer.copy_(flat)
+    buffers[0][:16] ^= 0xFF  # bytes that do not read back as the manifest says
+    with pytest.raises(Exception, match="did not verify"):
+        engine.apply(manifest, buffers, adopt=True, owned=True, policy="pause", read_back=True)
+    with pytest.raises(EngineUnavailable, match="failed while this request ran"):
+        request.wait(30)
+    with pytest.raises(EngineUnavailable):
+        engine.submit([_prompt(0)], GREEDY)
+    engine.close()
+
+
+def test_version_runs_cover_the_tokens():
+    assert versions_of([(1, 0)], 5) == ((1, 5),)
+    assert versions_of([(1, 0), (2, 3), (3, 3), (4, 7)], 9) == ((1, 3), (3, 4), (4, 2))
+    assert versions_of([(1, 0), (2, 9)], 4) == ((1, 4),)  # (an abort's row kept fewer)
