@@ -8,19 +8,39 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class Priority(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PRIORITY_UNSPECIFIED: _ClassVar[Priority]
+    PRIORITY_TRAIN: _ClassVar[Priority]
+    PRIORITY_EVAL: _ClassVar[Priority]
+
 class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     FINISH_REASON_UNSPECIFIED: _ClassVar[FinishReason]
     FINISH_REASON_STOP: _ClassVar[FinishReason]
     FINISH_REASON_LENGTH: _ClassVar[FinishReason]
     FINISH_REASON_ABORT: _ClassVar[FinishReason]
+
+class UpdatePolicy(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    UPDATE_POLICY_UNSPECIFIED: _ClassVar[UpdatePolicy]
+    UPDATE_POLICY_DRAIN: _ClassVar[UpdatePolicy]
+    UPDATE_POLICY_PAUSE: _ClassVar[UpdatePolicy]
+    UPDATE_POLICY_ABORT: _ClassVar[UpdatePolicy]
+PRIORITY_UNSPECIFIED: Priority
+PRIORITY_TRAIN: Priority
+PRIORITY_EVAL: Priority
 FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_STOP: FinishReason
 FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_ABORT: FinishReason
+UPDATE_POLICY_UNSPECIFIED: UpdatePolicy
+UPDATE_POLICY_DRAIN: UpdatePolicy
+UPDATE_POLICY_PAUSE: UpdatePolicy
+UPDATE_POLICY_ABORT: UpdatePolicy
 
 class RolloutConfig(_message.Message):
-    __slots__ = ("model_path", "engine", "device", "dtype", "seed", "max_batch_size", "load_weights", "kv_cache_fraction", "cuda_graphs", "sglang")
+    __slots__ = ("model_path", "engine", "device", "dtype", "seed", "max_batch_size", "load_weights", "kv_cache_fraction", "cuda_graphs", "sglang", "prefix_cache")
     MODEL_PATH_FIELD_NUMBER: _ClassVar[int]
     ENGINE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
@@ -31,6 +51,7 @@ class RolloutConfig(_message.Message):
     KV_CACHE_FRACTION_FIELD_NUMBER: _ClassVar[int]
     CUDA_GRAPHS_FIELD_NUMBER: _ClassVar[int]
     SGLANG_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_FIELD_NUMBER: _ClassVar[int]
     model_path: str
     engine: str
     device: str
@@ -41,7 +62,8 @@ class RolloutConfig(_message.Message):
     kv_cache_fraction: float
     cuda_graphs: bool
     sglang: SglangConfig
-    def __init__(self, model_path: _Optional[str] = ..., engine: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., seed: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., load_weights: _Optional[bool] = ..., kv_cache_fraction: _Optional[float] = ..., cuda_graphs: _Optional[bool] = ..., sglang: _Optional[_Union[SglangConfig, _Mapping]] = ...) -> None: ...
+    prefix_cache: bool
+    def __init__(self, model_path: _Optional[str] = ..., engine: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., seed: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., load_weights: _Optional[bool] = ..., kv_cache_fraction: _Optional[float] = ..., cuda_graphs: _Optional[bool] = ..., sglang: _Optional[_Union[SglangConfig, _Mapping]] = ..., prefix_cache: _Optional[bool] = ...) -> None: ...
 
 class SglangConfig(_message.Message):
     __slots__ = ("url", "args", "command", "startup_timeout_s", "memory_saver", "request_timeout_s")
@@ -104,21 +126,31 @@ class TokenIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompts", "input_ids", "sampling", "return_logprobs", "request_id")
+    __slots__ = ("prompts", "input_ids", "sampling", "return_logprobs", "request_id", "priority")
     PROMPTS_FIELD_NUMBER: _ClassVar[int]
     INPUT_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     RETURN_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
     prompts: _containers.RepeatedScalarFieldContainer[str]
     input_ids: _containers.RepeatedCompositeFieldContainer[TokenIds]
     sampling: SamplingParams
     return_logprobs: bool
     request_id: str
-    def __init__(self, prompts: _Optional[_Iterable[str]] = ..., input_ids: _Optional[_Iterable[_Union[TokenIds, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., return_logprobs: _Optional[bool] = ..., request_id: _Optional[str] = ...) -> None: ...
+    priority: Priority
+    def __init__(self, prompts: _Optional[_Iterable[str]] = ..., input_ids: _Optional[_Iterable[_Union[TokenIds, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., return_logprobs: _Optional[bool] = ..., request_id: _Optional[str] = ..., priority: _Optional[_Union[Priority, str]] = ...) -> None: ...
+
+class VersionRun(_message.Message):
+    __slots__ = ("version", "tokens")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    tokens: int
+    def __init__(self, version: _Optional[int] = ..., tokens: _Optional[int] = ...) -> None: ...
 
 class Completion(_message.Message):
-    __slots__ = ("prompt_index", "prompt_ids", "output_ids", "text", "logprobs", "finish_reason", "weight_version")
+    __slots__ = ("prompt_index", "prompt_ids", "output_ids", "text", "logprobs", "finish_reason", "weight_version", "version_runs")
     PROMPT_INDEX_FIELD_NUMBER: _ClassVar[int]
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -126,6 +158,7 @@ class Completion(_message.Message):
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    VERSION_RUNS_FIELD_NUMBER: _ClassVar[int]
     prompt_index: int
     prompt_ids: _containers.RepeatedScalarFieldContainer[int]
     output_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -133,7 +166,16 @@ class Completion(_message.Message):
     logprobs: _containers.RepeatedScalarFieldContainer[float]
     finish_reason: FinishReason
     weight_version: int
-    def __init__(self, prompt_index: _Optional[int] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., output_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[float]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., weight_version: _Optional[int] = ...) -> None: ...
+    version_runs: _containers.RepeatedCompositeFieldContainer[VersionRun]
+    def __init__(self, prompt_index: _Optional[int] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., output_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[float]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., weight_version: _Optional[int] = ..., version_runs: _Optional[_Iterable[_Union[VersionRun, _Mapping]]] = ...) -> None: ...
+
+class GenerateStreamResponse(_message.Message):
+    __slots__ = ("index", "completion")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    COMPLETION_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    completion: Completion
+    def __init__(self, index: _Optional[int] = ..., completion: _Optional[_Union[Completion, _Mapping]] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("results", "weight_version")
@@ -144,7 +186,7 @@ class GenerateResponse(_message.Message):
     def __init__(self, results: _Optional[_Iterable[_Union[Completion, _Mapping]]] = ..., weight_version: _Optional[int] = ...) -> None: ...
 
 class UpdateWeightsRequest(_message.Message):
-    __slots__ = ("version", "manifest", "trainer", "broadcast", "shm", "cuda_ipc", "verify", "timeout_s", "request_id")
+    __slots__ = ("version", "manifest", "trainer", "broadcast", "shm", "cuda_ipc", "verify", "timeout_s", "request_id", "policy")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     MANIFEST_FIELD_NUMBER: _ClassVar[int]
     TRAINER_FIELD_NUMBER: _ClassVar[int]
@@ -154,6 +196,7 @@ class UpdateWeightsRequest(_message.Message):
     VERIFY_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    POLICY_FIELD_NUMBER: _ClassVar[int]
     version: int
     manifest: _weights_pb2.WeightManifest
     trainer: _weights_pb2.TrainerEndpoint
@@ -163,7 +206,8 @@ class UpdateWeightsRequest(_message.Message):
     verify: _weights_pb2.VerifyMode
     timeout_s: float
     request_id: str
-    def __init__(self, version: _Optional[int] = ..., manifest: _Optional[_Union[_weights_pb2.WeightManifest, _Mapping]] = ..., trainer: _Optional[_Union[_weights_pb2.TrainerEndpoint, _Mapping]] = ..., broadcast: _Optional[_Union[_weights_pb2.BroadcastSource, _Mapping]] = ..., shm: _Optional[_Union[_weights_pb2.ShmSource, _Mapping]] = ..., cuda_ipc: _Optional[_Union[_weights_pb2.CudaIpcSource, _Mapping]] = ..., verify: _Optional[_Union[_weights_pb2.VerifyMode, str]] = ..., timeout_s: _Optional[float] = ..., request_id: _Optional[str] = ...) -> None: ...
+    policy: UpdatePolicy
+    def __init__(self, version: _Optional[int] = ..., manifest: _Optional[_Union[_weights_pb2.WeightManifest, _Mapping]] = ..., trainer: _Optional[_Union[_weights_pb2.TrainerEndpoint, _Mapping]] = ..., broadcast: _Optional[_Union[_weights_pb2.BroadcastSource, _Mapping]] = ..., shm: _Optional[_Union[_weights_pb2.ShmSource, _Mapping]] = ..., cuda_ipc: _Optional[_Union[_weights_pb2.CudaIpcSource, _Mapping]] = ..., verify: _Optional[_Union[_weights_pb2.VerifyMode, str]] = ..., timeout_s: _Optional[float] = ..., request_id: _Optional[str] = ..., policy: _Optional[_Union[UpdatePolicy, str]] = ...) -> None: ...
 
 class UpdateWeightsResponse(_message.Message):
     __slots__ = ("version", "fingerprints", "seconds", "bytes")

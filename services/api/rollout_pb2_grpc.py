@@ -45,6 +45,11 @@ class RolloutStub:
                 request_serializer=rlfleet_dot_v1_dot_rollout__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=rlfleet_dot_v1_dot_rollout__pb2.GenerateResponse.FromString,
                 _registered_method=True)
+        self.GenerateStream = channel.unary_stream(
+                '/rlfleet.v1.Rollout/GenerateStream',
+                request_serializer=rlfleet_dot_v1_dot_rollout__pb2.GenerateRequest.SerializeToString,
+                response_deserializer=rlfleet_dot_v1_dot_rollout__pb2.GenerateStreamResponse.FromString,
+                _registered_method=True)
         self.InitWeightUpdateGroup = channel.unary_unary(
                 '/rlfleet.v1.Rollout/InitWeightUpdateGroup',
                 request_serializer=rlfleet_dot_v1_dot_weights__pb2.InitWeightUpdateGroupRequest.SerializeToString,
@@ -98,6 +103,14 @@ class RolloutServicer:
 
     def Generate(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GenerateStream(self, request, context):
+        """The same request, each completion sent as it finishes (in finishing order, `index` says
+        where it sits in Generate's prompt-major results). Ends when the last one is sent.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -163,6 +176,11 @@ def add_RolloutServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=rlfleet_dot_v1_dot_rollout__pb2.GenerateRequest.FromString,
                     response_serializer=rlfleet_dot_v1_dot_rollout__pb2.GenerateResponse.SerializeToString,
+            ),
+            'GenerateStream': grpc.unary_stream_rpc_method_handler(
+                    servicer.GenerateStream,
+                    request_deserializer=rlfleet_dot_v1_dot_rollout__pb2.GenerateRequest.FromString,
+                    response_serializer=rlfleet_dot_v1_dot_rollout__pb2.GenerateStreamResponse.SerializeToString,
             ),
             'InitWeightUpdateGroup': grpc.unary_unary_rpc_method_handler(
                     servicer.InitWeightUpdateGroup,
@@ -259,6 +277,33 @@ class Rollout:
             '/rlfleet.v1.Rollout/Generate',
             rlfleet_dot_v1_dot_rollout__pb2.GenerateRequest.SerializeToString,
             rlfleet_dot_v1_dot_rollout__pb2.GenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GenerateStream(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/rlfleet.v1.Rollout/GenerateStream',
+            rlfleet_dot_v1_dot_rollout__pb2.GenerateRequest.SerializeToString,
+            rlfleet_dot_v1_dot_rollout__pb2.GenerateStreamResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -34,7 +34,8 @@ class Completion:
     text: str
     logprobs: list[float]
     finish_reason: str
-    weight_version: int
+    weight_version: int  # of its first token
+    versions: tuple[tuple[int, int], ...] = ()  # (weight version, tokens) runs over output_ids, where reported
 
 
 class _Client:
@@ -263,26 +264,43 @@ class RolloutClient(_Client):
         with self._call("Generate"):
             reply = self._stub.Generate(request, timeout=self.deadline_s)
         reasons = {rollout_pb2.FINISH_REASON_STOP: "stop", rollout_pb2.FINISH_REASON_LENGTH: "length"}
-        return [
-            Completion(
-                prompt_index=c.prompt_index,
-                prompt_ids=list(c.prompt_ids),
-                output_ids=list(c.output_ids),
-                text=c.text,
-                logprobs=list(c.logprobs),
-                finish_reason=reasons.get(c.finish_reason, "abort"),
-                weight_version=c.weight_version,
-            )
-            for c in reply.results
-        ]
+        return [self._completion(c, reasons) for c in reply.results]
+
+    @staticmethod
+    def _completion(c, reasons) -> Completion:
+        return Completion(
+            prompt_index=c.prompt_index,
+            prompt_ids=list(c.prompt_ids),
+            output_ids=list(c.output_ids),
+            text=c.text,
+            logprobs=list(c.logprobs),
+            finish_reason=reasons.get(c.finish_reason, "abort"),
+            weight_version=c.weight_version,
+            versions=tuple((r.version, r.tokens) for r in c.version_runs),
+        )
+
+    def generate_stream(self, prompts_ids: list[list[int]], sampling: rollout_pb2.SamplingParams, *,
+                        return_logprobs: bool = True, priority: str = "train"):
+        """(index, Completion) for each completion as it finishes (GenerateStream)."""
+        request = rollout_pb2.GenerateRequest(
+            input_ids=[rollout_pb2.TokenIds(ids=ids) for ids in prompts_ids], sampling=sampling,
+            return_logprobs=return_logprobs,
+            priority=rollout_pb2.PRIORITY_EVAL if priority == "eval" else rollout_pb2.PRIORITY_TRAIN)
+        reasons = {rollout_pb2.FINISH_REASON_STOP: "stop", rollout_pb2.FINISH_REASON_LENGTH: "length"}
+        with self._call("GenerateStream"):
+            for item in self._stub.GenerateStream(request, timeout=self.deadline_s):
+                yield item.index, self._completion(item.completion, reasons)
 
     def update_weights(
-        self, manifest: weights_pb2.WeightManifest, timeout_s: float, exact: bool = False, **source
+        self, manifest: weights_pb2.WeightManifest, timeout_s: float, exact: bool = False, *, policy: str = "drain",
+        **source
     ) -> rollout_pb2.UpdateWeightsResponse:
-        """`source` is one of trainer=, broadcast=, shm=, cuda_ipc= (the UpdateWeights oneof)."""
+        """`source` is one of trainer=, broadcast=, shm=, cuda_ipc= (the UpdateWeights oneof);
+        `policy` drain, pause or abort (what becomes of rows generating meanwhile)."""
         verify = weights_pb2.VERIFY_MODE_EXACT if exact else weights_pb2.VERIFY_MODE_FINGERPRINT
         request = rollout_pb2.UpdateWeightsRequest(
-            version=manifest.version, manifest=manifest, timeout_s=timeout_s, verify=verify, **source
+            version=manifest.version, manifest=manifest, timeout_s=timeout_s, verify=verify,
+            policy=rollout_pb2.UpdatePolicy.Value(f"UPDATE_POLICY_{policy.upper()}"), **source
         )
         with self._call("UpdateWeights"):  # the sync's timeout bounds the whole call, with a little grace
             return self._stub.UpdateWeights(request, timeout=timeout_s * 1.1 + 2)

@@ -147,6 +147,10 @@ class RolloutConfig:
             KV cache takes (like other engines' memory-utilisation setting); the cache and the
             decode graphs are freed whenever the engine releases its memory (colocate).
         cuda_graphs: replay each decode step as a captured CUDA graph (GPU engines).
+        prefix_cache: built-in engines keep the KV blocks of prompts' full 16-token blocks and
+            reuse them for later prompts that start the same way, under the same weights (a
+            weight update empties the cache): a system prompt or a multi-turn history is
+            prefilled once.
         engine: torch (the built-in engine) or sglang (an SGLang server per engine, driven over
             its HTTP API; weights reach it by broadcast, or by CUDA IPC on the trainer's GPU).
         sglang: the SGLang servers (engine sglang).
@@ -160,6 +164,7 @@ class RolloutConfig:
     max_batch_size: int = 256
     kv_cache_fraction: float = 0.5
     cuda_graphs: bool = True
+    prefix_cache: bool = False
     engine: Literal["torch", "sglang"] = "torch"
     sglang: SglangConfig = field(default_factory=SglangConfig)
 

@@ -246,6 +246,7 @@ class RLLoop:
             max_batch_size=self.job.rollout.max_batch_size,
             kv_cache_fraction=self.job.rollout.kv_cache_fraction,
             cuda_graphs=self.job.rollout.cuda_graphs,
+            prefix_cache=self.job.rollout.prefix_cache,
         )
 
     def recover_engines(self, step: int) -> int:

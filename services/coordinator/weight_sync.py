@@ -96,8 +96,10 @@ class SyncResult:
 
 class WeightSyncer:
     def __init__(self, *, trainer: TrainerClient, engines: list[RolloutClient], trainer_caps, engine_caps,
-                 forced: str, exact: bool, timeout_s: float, token: str, pool: ThreadPoolExecutor):
+                 forced: str, exact: bool, timeout_s: float, token: str, pool: ThreadPoolExecutor,
+                 policy: str = "drain"):
         self.trainer, self.engines = trainer, engines
+        self.policy = policy  # what the engines do with rows generating when the weights change
         self.trainer_caps, self.engine_caps = trainer_caps, engine_caps
         self.exact, self.timeout_s, self.token, self._pool = exact, timeout_s, token, pool
         self._forced = forced
@@ -137,7 +139,8 @@ class WeightSyncer:
 
     def _submit_updates(self, members, manifest, **source) -> dict:
         return {
-            i: self._pool.submit(self.engines[i].update_weights, manifest, self.timeout_s, self.exact, **source)
+            i: self._pool.submit(self.engines[i].update_weights, manifest, self.timeout_s, self.exact,
+                                 policy=self.policy, **source)
             for i in members
         }
 

@@ -8,6 +8,7 @@ the trainer into staging buffers, verifies them, and only then swaps them in.
 from __future__ import annotations
 
 import contextlib
+import queue
 import threading
 import time
 
@@ -36,7 +37,12 @@ _ERRORS = {
     WeightSyncError: grpc.StatusCode.ABORTED,
     GenerationCancelled: grpc.StatusCode.CANCELLED,
 }
-_FINISH = {"stop": rollout_pb2.FINISH_REASON_STOP, "length": rollout_pb2.FINISH_REASON_LENGTH}
+_FINISH = {"stop": rollout_pb2.FINISH_REASON_STOP, "length": rollout_pb2.FINISH_REASON_LENGTH,
+           "abort": rollout_pb2.FINISH_REASON_ABORT}
+_POLICIES = {rollout_pb2.UPDATE_POLICY_UNSPECIFIED: "drain", rollout_pb2.UPDATE_POLICY_DRAIN: "drain",
+             rollout_pb2.UPDATE_POLICY_PAUSE: "pause", rollout_pb2.UPDATE_POLICY_ABORT: "abort"}
+MAX_GENERATE_CALLS = 512  # Generate and GenerateStream calls in progress at once; more are refused
+SERVER_THREADS = MAX_GENERATE_CALLS + 32  # each call holds a thread; the rest serve updates and health
 log = rpc.get_logger("rollout")
 
 
@@ -87,6 +93,8 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
         self._shm = shm.ShmReader()
         # Calls that wait (on the engine, on peers) are bounded, so pool threads stay for health.
         self._waiting = rpc.Admission(8)
+        # Generate calls wait on the running batch, not on each other: many may be in progress.
+        self._generating = rpc.Admission(MAX_GENERATE_CALLS)
         self._joining = rpc.Admission(1)  # a group join blocks until its peers come, or its timeout
 
     def Shutdown(self, request, context):
@@ -133,6 +141,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
                 load_weights=c.load_weights,
                 kv_cache_fraction=c.kv_cache_fraction if c.HasField("kv_cache_fraction") else 0.5,
                 cuda_graphs=c.cuda_graphs if c.HasField("cuda_graphs") else True,
+                prefix_cache=c.prefix_cache,
                 sglang=SglangSettings(
                     url=c.sglang.url, args=tuple(c.sglang.args), command=tuple(c.sglang.command),
                     startup_timeout_s=c.sglang.startup_timeout_s or SglangSettings.startup_timeout_s,
@@ -167,36 +176,77 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
             self.metrics.in_flight.dec()
             self.metrics.requests.labels(outcome).inc()
 
+    def _prepare(self, request, context):
+        """The engine, the request's prompts as ids and its sampling settings (ValueError naming
+        the field for what the model cannot take)."""
+        engine = self._require(context)
+        if request.prompts and request.input_ids:
+            raise ValueError("prompts, input_ids: give one or the other, not both")
+        sampling = sampling_from_proto(request.sampling)
+        _check_sizes(request, sampling, engine.max_positions)  # before any tokenizing
+        if request.prompts:
+            prompts_ids = [engine.tokenizer.encode(p) for p in request.prompts]
+        else:
+            prompts_ids = [list(t.ids) for t in request.input_ids]
+        if not prompts_ids:
+            raise ValueError("prompts: no prompts given")
+        return engine, prompts_ids, sampling
+
+    @staticmethod
+    def _serving_options(engine, request) -> dict:
+        """What only a serving engine (one running batch for every caller) takes."""
+        if not getattr(engine, "streams", False):
+            return {}
+        return {"priority": "eval" if request.priority == rollout_pb2.PRIORITY_EVAL else "train"}
+
     def _generate(self, request, context):
-        with self._waiting.enter(context, "Generate"), rpc.abort_on(context, _ERRORS):
-            engine = self._require(context)
-            if request.prompts and request.input_ids:
-                raise ValueError("prompts, input_ids: give one or the other, not both")
-            sampling = sampling_from_proto(request.sampling)
-            _check_sizes(request, sampling, engine.max_positions)  # before any tokenizing
-            if request.prompts:
-                prompts_ids = [engine.tokenizer.encode(p) for p in request.prompts]
-            else:
-                prompts_ids = [list(t.ids) for t in request.input_ids]
-            if not prompts_ids:
-                raise ValueError("prompts: no prompts given")
-            # A caller that cancels or runs past its deadline stops the work (checked every round).
-            results, version = engine.generate(prompts_ids, sampling, cancelled=lambda: not context.is_active())
+        with self._generating.enter(context, "Generate"), rpc.abort_on(context, _ERRORS):
+            engine, prompts_ids, sampling = self._prepare(request, context)
+            # A caller that cancels or runs past its deadline stops its rows (checked every round).
+            results, version = engine.generate(prompts_ids, sampling, cancelled=lambda: not context.is_active(),
+                                               **self._serving_options(engine, request))
             return rollout_pb2.GenerateResponse(
                 weight_version=version,
-                results=[
-                    rollout_pb2.Completion(
-                        prompt_index=g.prompt_index,
-                        prompt_ids=g.prompt_ids,
-                        output_ids=g.output_ids,
-                        text=g.text,
-                        logprobs=g.logprobs if request.return_logprobs else [],
-                        finish_reason=_FINISH[g.finish_reason],
-                        weight_version=version,
-                    )
-                    for g in results
-                ],
+                results=[_completion(g, version, request.return_logprobs) for g in results],
             )
+
+    def GenerateStream(self, request, context):
+        """Each completion as it finishes (an engine that cannot stream sends them all at its end)."""
+        started = time.perf_counter()
+        self.metrics.in_flight.inc()
+        outcome = "error"
+        try:
+            with self._generating.enter(context, "GenerateStream"), rpc.abort_on(context, _ERRORS):
+                engine, prompts_ids, sampling = self._prepare(request, context)
+                cancelled = lambda: not context.is_active()  # noqa: E731
+                if not getattr(engine, "streams", False):
+                    results, version = engine.generate(prompts_ids, sampling, cancelled=cancelled)
+                    for i, g in enumerate(results):
+                        yield rollout_pb2.GenerateStreamResponse(
+                            index=i, completion=_completion(g, version, request.return_logprobs))
+                    outcome = "ok"
+                    return
+                finished: queue.SimpleQueue = queue.SimpleQueue()
+                call = engine.submit(prompts_ids, sampling, cancelled=cancelled,
+                                     on_result=lambda i, g: finished.put((i, g)),
+                                     **self._serving_options(engine, request))
+                for _ in range(len(call.results)):
+                    while True:
+                        try:
+                            index, g = finished.get(timeout=0.1)
+                            break
+                        except queue.Empty:
+                            if call.finished.is_set() and finished.empty():
+                                call.wait()  # raises what ended it
+                    version = g.versions[0][0] if g.versions else engine.weight_version
+                    self.metrics.tokens.inc(len(g.output_ids))
+                    yield rollout_pb2.GenerateStreamResponse(
+                        index=index, completion=_completion(g, version, request.return_logprobs))
+                outcome = "ok"
+        finally:
+            self.metrics.generate_seconds.observe(time.perf_counter() - started)
+            self.metrics.in_flight.dec()
+            self.metrics.requests.labels(outcome).inc()
 
     def UpdateWeights(self, request, context):
         with self._waiting.enter(context, "UpdateWeights"), self._update_lock, rpc.abort_on(context, _ERRORS):
@@ -211,15 +261,20 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
             if source is None:
                 raise ValueError("source: one of trainer, broadcast, shm, cuda_ipc is required")
             timeout_s = rpc.timeout_seconds(request.timeout_s, DEFAULT_UPDATE_TIMEOUT_S)  # a bad one names itself now
+            policy = _POLICIES.get(request.policy)
+            if policy is None or policy not in getattr(engine, "update_policies", ("drain",)):
+                raise ValueError(f"policy: {rollout_pb2.UpdatePolicy.Name(request.policy) if policy else request.policy} "
+                                 f"is not one this engine supports "
+                                 f"({', '.join(getattr(engine, 'update_policies', ('drain',)))})")
             if source in getattr(engine, "receives", ()):  # the engine takes these bytes itself (SGLang)
-                return self._update_by_engine(engine, request, manifest, timeout_s, started)
+                return self._update_by_engine(engine, request, manifest, timeout_s, started, policy)
             if source == "broadcast" and request.broadcast.group_name not in self._groups:
                 raise ValueError(f"broadcast.group_name: no group {request.broadcast.group_name!r}; call InitWeightUpdateGroup")
             read_back = request.verify == weights_pb2.VERIFY_MODE_EXACT
             checked = time.perf_counter()
             try:
                 with profiling.profiled("rollout", f"update-{manifest.version}"):
-                    copied = self._receive_and_apply(engine, request, manifest, read_back, timeout_s)
+                    copied = self._receive_and_apply(engine, request, manifest, read_back, timeout_s, policy)
             except (WeightSyncError, InvalidChunk, grpc.RpcError) as e:
                 self.metrics.updates_failed.inc()
                 self.metrics.serving.set(0.0)
@@ -247,14 +302,16 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
         self.metrics.weights_version.set(version)
         self.metrics.serving.set(1.0)
 
-    def _update_by_engine(self, engine, request, manifest, timeout_s: float, started: float):
+    def _update_by_engine(self, engine, request, manifest, timeout_s: float, started: float, policy: str):
         read_back = request.verify == weights_pb2.VERIFY_MODE_EXACT
         source = request.WhichOneof("source")
         try:
             if source == "broadcast":
-                copied = engine.update_from_broadcast(manifest, request.broadcast.group_name, timeout_s, read_back)
+                copied = engine.update_from_broadcast(manifest, request.broadcast.group_name, timeout_s, read_back,
+                                                      **_policy(engine, policy))
             else:
-                copied = engine.update_from_cuda_ipc(manifest, list(request.cuda_ipc.handles), timeout_s, read_back)
+                copied = engine.update_from_cuda_ipc(manifest, list(request.cuda_ipc.handles), timeout_s, read_back,
+                                                     **_policy(engine, policy))
         except WeightSyncError as e:
             self.metrics.updates_failed.inc()
             self.metrics.serving.set(0.0)
@@ -271,12 +328,12 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
         return rollout_pb2.UpdateWeightsResponse(version=manifest.version, seconds=seconds, bytes=copied,
                                                  fingerprints=prints)
 
-    def _receive_and_apply(self, engine, request, manifest, read_back: bool, timeout_s: float) -> int:
+    def _receive_and_apply(self, engine, request, manifest, read_back: bool, timeout_s: float, policy: str) -> int:
         source = request.WhichOneof("source")
         if source == "shm" and engine.device.type != "cuda":  # the trainer's segments become our weights
             try:
                 buffers = receiver.receive_shm(self._shm, request.shm, manifest)
-                copied = engine.apply(manifest, buffers, read_back=read_back, adopt=True)
+                copied = engine.apply(manifest, buffers, read_back=read_back, adopt=True, **_policy(engine, policy))
             except BaseException:
                 self._shm.abandon()
                 raise
@@ -300,7 +357,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
                     del self._groups[group.name]
                 group.close()
                 raise
-        copied = engine.apply(manifest, buffers, read_back=read_back, adopt=True, owned=True)
+        copied = engine.apply(manifest, buffers, read_back=read_back, adopt=True, owned=True, **_policy(engine, policy))
         self._staging.adopted(buffers, kept=engine.holds_buffers)
         if not engine.keeps_staging:  # it copied them out (SGLang): no second copy of the weights stays here
             self._staging.clear()
@@ -371,6 +428,24 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
             return rollout_pb2.GetWeightFingerprintsResponse(version=engine.weight_version, fingerprints=prints)
 
 
+def _completion(g, version: int, logprobs: bool) -> rollout_pb2.Completion:
+    return rollout_pb2.Completion(
+        prompt_index=g.prompt_index,
+        prompt_ids=g.prompt_ids,
+        output_ids=g.output_ids,
+        text=g.text,
+        logprobs=g.logprobs if logprobs else [],
+        finish_reason=_FINISH[g.finish_reason],
+        weight_version=g.versions[0][0] if g.versions else version,
+        version_runs=[rollout_pb2.VersionRun(version=v, tokens=n) for v, n in g.versions],
+    )
+
+
+def _policy(engine, policy: str) -> dict:
+    """The apply keyword of an engine that takes update policies (others only drain)."""
+    return {"policy": policy} if hasattr(engine, "update_policies") else {}
+
+
 def build_server(address: str = "127.0.0.1:0", token: str | None = None, metrics_port: int | None = None) -> rpc.Server:
     """A rollout server; Prometheus metrics at http://<host>:<metrics_port>/metrics when given."""
     servicer = RolloutServicer()
@@ -379,6 +454,7 @@ def build_server(address: str = "127.0.0.1:0", token: str | None = None, metrics
         (SERVICE_NAME,),
         address=address,
         token=token,
+        max_workers=SERVER_THREADS,
     )
     server.on_stop.append(servicer.close)
     servicer.shutdown = server.shutdown

@@ -60,9 +60,10 @@ def trainer_and_engine(logs, model_dir, device: str = "cpu", offload: bool = Fal
 class _Reference:
     """What each complete version answers, computed from the trainer's weights in this process."""
 
-    def __init__(self, model_dir, trainer: TrainerClient, device: str):
+    def __init__(self, model_dir, trainer: TrainerClient, device: str, max_new: int = MAX_NEW):
         self._engine = RolloutEngine(RolloutSettings(model_path=str(model_dir), device=device))
         self._trainer = trainer
+        self.max_new = max_new
         self.answers: dict[int, list] = {}  # version -> [(output_ids, logprobs)] per prompt
         self.prints: dict[int, list[str]] = {}  # version -> sha256 of 8 MiB buckets
 
@@ -77,7 +78,7 @@ class _Reference:
             buffers = receive(stream(trainer_pb2.GetWeightsRequest(version=parsed.version), timeout=60), parsed)
         self._engine.apply(self._engine.read_manifest(manifest), buffers)
         ids = [self._engine.tokenizer.encode(p) for p in PROMPTS]
-        results, _ = self._engine.generate(ids, Sampling(temperature=0.0, max_new_tokens=MAX_NEW, ignore_eos=True))
+        results, _ = self._engine.generate(ids, Sampling(temperature=0.0, max_new_tokens=self.max_new, ignore_eos=True))
         self.answers[parsed.version] = [(r.output_ids, r.logprobs) for r in results]
         self.prints[parsed.version] = self._engine.fingerprints("sha256", 8 << 20)
         return parsed.version
