@@ -271,3 +271,62 @@ def test_an_rl_job_trains_through_sglang_engines(tmp_path):
     assert "': 'broadcast'" in result.stdout  # the plane the coordinator negotiated for the SGLang engine
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["eval_after"] - summary["eval_before"] >= 0.05, summary
+
+
+@pytest.mark.parametrize("policy", ["pause", "abort"])
+def test_update_policies_map_onto_sglangs_pause_and_continue(tiny_model_dir, policy):
+    """UpdateWeights with PAUSE pauses SGLang in `retract` mode (running requests re-queued, their
+    KV recomputed under the new weights; `in_place` would keep old KV and fail the cache flush),
+    with ABORT in `abort` mode (running requests end, finish reason abort); either way generation
+    continues after the last bucket, and Generate calls run concurrently, not one at a time."""
+    with _services(tiny_model_dir) as (trainer, sglang, reference, servicer, pool):
+        syncer = make_syncer(trainer, [sglang], pool, timeout_s=60)
+        syncer.policy = policy
+        trainer.train_step(trainer_pb2.Batch(samples=[trainer_pb2.Sample(prompt_ids=[3, 4, 5], response_ids=[6, 7],
+                                                                         advantage=1.0)]))
+        long = rollout_pb2.SamplingParams(temperature=1.0, max_new_tokens=40, ignore_eos=True)
+        answers, errors, most = [], [], [0]
+        syncing = threading.Event()
+        syncing.set()
+        engine = servicer._engine
+
+        def generate() -> None:
+            while syncing.is_set():
+                try:
+                    answers.append(sglang.generate(["1+2="] * 8, long))
+                except Exception as e:  # noqa: BLE001
+                    errors.append(e)
+
+        def watch() -> None:
+            while syncing.is_set():
+                most[0] = max(most[0], engine._active)
+                time.sleep(0.001)
+
+        callers = [threading.Thread(target=generate) for _ in range(3)] + [threading.Thread(target=watch)]
+        for t in callers:
+            t.start()
+        time.sleep(0.5)  # the calls are in SGLang
+        result = syncer.sync({0})
+        time.sleep(0.2)
+        syncing.clear()
+        for t in callers:
+            t.join(60)
+        running_at_once = most[0]
+        assert result.ok == {0}, result.failures
+        assert not errors, errors
+        assert running_at_once > 1  # concurrent calls reach SGLang together
+        client = engine.client
+        log = [r for r in SglangClient(client.url, client._headers["Authorization"].split()[-1])
+               .call("/_standin/requests", method="GET") if not r["path"].startswith("/_standin")]
+        assert all(r["status"] == 200 for r in log), [r for r in log if r["status"] != 200]
+        paths = [r["path"] for r in log]
+        pause = paths.index("/pause_generation")
+        assert log[pause]["body"] == {"mode": "retract" if policy == "pause" else "abort"}
+        first, last = paths.index("/update_weights_from_distributed"), len(paths) - 1 - paths[::-1].index(
+            "/update_weights_from_distributed")
+        assert pause < first and "/continue_generation" in paths[last + 1:]
+        reasons = {c.finish_reason for answer in answers for c in answer}
+        if policy == "abort":
+            assert "abort" in reasons
+        after = sglang.generate(["1+2="], long)
+        assert after[0].weight_version == 1 and after[0].versions == ((1, 40),)

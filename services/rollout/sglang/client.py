@@ -135,6 +135,14 @@ class SglangClient:
     def end_weight_update(self) -> None:
         self._checked("/end_weight_update", {}, 60)
 
+    def pause_generation(self, mode: str) -> None:
+        """Stop SGLang's scheduler between steps: `abort` ends running requests, `retract` puts
+        them back in the queue (KV freed), `in_place` keeps them and their KV. New requests wait."""
+        self.call("/pause_generation", {"mode": mode}, timeout_s=60)
+
+    def continue_generation(self) -> None:
+        self.call("/continue_generation", {}, timeout_s=60)
+
     def release_memory(self, tags: list[str]) -> None:
         self.call("/release_memory_occupation", {"tags": tags})
 

@@ -27,6 +27,8 @@ returns only rank 0's shard of most weights: exact verification is refused for t
 
 from __future__ import annotations
 
+import contextlib
+
 import itertools
 import logging
 import os
@@ -81,7 +83,12 @@ class SglangEngine:
         self.holds_buffers, self.last_apply_seconds = False, 0.0
         self.keeps_staging = False  # SGLang copies every update out: no second copy stays on the device
         self._reads_back: bool | None = None  # whether SGLang answers /get_weights_by_name for this model
-        self._lock = threading.RLock()  # generation holds it; an update holds it across all its buckets
+        self._lock = threading.RLock()  # an update holds it across all its buckets, as a memory change does
+        # Generate calls run side by side (SGLang batches them); a drain waits for them to end and
+        # holds new ones back (`_exclusive`).
+        self._gate = threading.Condition()
+        self._active = 0
+        self._draining = 0
         self.process: SglangProcess | None = None
         if s.url:
             self.client = SglangClient(s.url, os.environ.get("RLFLEET_SGLANG_API_KEY") or None, s.request_timeout_s)
@@ -144,16 +151,46 @@ class SglangEngine:
             self.process.stop()
 
     # ---- generation ---------------------------------------------------------------------------
+    update_policies = ("drain", "pause", "abort")
+
     def generate(self, prompts_ids: list[list[int]], sampling: Sampling,
                  cancelled: Callable[[], bool] | None = None) -> tuple[list[Generation], int]:
+        """Completions, and the version the call started under. Calls run concurrently in SGLang's
+        own running batch."""
         packed = validate_prompts(prompts_ids, sampling, self.model_config.vocab_size, self.max_positions)
         prompts_ids = packed.as_lists(prompts_ids)  # (JSON to the server: Python ints)
-        with self._lock:
+        with self._gate:
+            self._gate.wait_for(lambda: not self._draining)
             if not self.serving or self.released:
                 raise EngineUnavailable(self.last_error or f"memory released: {sorted(self.released)}")
+            self._active += 1
+            started_under = self.weight_version
+        try:
             rid = f"rlfleet-{next(_rids)}"
             items = self._call_cancellable(prompts_ids, sampling, rid, cancelled)
-        return _completions(items, prompts_ids, sampling.n)
+        finally:
+            with self._gate:
+                self._active -= 1
+                self._gate.notify_all()
+        return _completions(items, prompts_ids, sampling.n, started_under)
+
+    @contextlib.contextmanager
+    def _exclusive(self, drain: bool = True):
+        """The update lock, and with `drain` no Generate call running: those in flight finish,
+        new ones wait."""
+        with self._lock:
+            if not drain:
+                yield
+                return
+            with self._gate:
+                self._draining += 1
+                self._gate.wait_for(lambda: self._active == 0)
+            try:
+                yield
+            finally:
+                with self._gate:
+                    self._draining -= 1
+                    self._gate.notify_all()
 
     def _call_cancellable(self, prompts_ids, sampling: Sampling, rid: str, cancelled) -> list[dict]:
         """`/generate` in a thread, so a caller that gives up aborts the request in SGLang."""
@@ -187,15 +224,16 @@ class SglangEngine:
     def read_manifest(self, msg) -> Manifest:
         return self._manifests.read(msg)
 
-    def apply(self, manifest: Manifest, buffers, *, read_back: bool = False, **_) -> int:
+    def apply(self, manifest: Manifest, buffers, *, read_back: bool = False, policy: str = "drain", **_) -> int:
         """Buckets already in this process's GPU memory (an offloaded trainer's host copy, uploaded
         and verified here): SGLang loads them from here by CUDA IPC."""
         if not self.takes_cuda_ipc or any(b.device.type != "cuda" for b in buffers):
             raise ValueError("source: an SGLang engine takes weights by broadcast, or by CUDA IPC on its own GPU")
         payloads = ipc.local_payloads(buffers, list(manifest.buckets))
-        return self._update(manifest, self._from_tensor(payloads), read_back=read_back)
+        return self._update(manifest, self._from_tensor(payloads), read_back=read_back, policy=policy)
 
-    def update_from_cuda_ipc(self, manifest: Manifest, handles, timeout_s: float, read_back: bool = False) -> int:
+    def update_from_cuda_ipc(self, manifest: Manifest, handles, timeout_s: float, read_back: bool = False,
+                             policy: str = "drain") -> int:
         """The trainer's staged buckets on this GPU: SGLang opens each handle and copies from it
         (this process never opens them: a handle has one consumer)."""
         if not self.takes_cuda_ipc:
@@ -206,7 +244,7 @@ class SglangEngine:
             raise ValueError(f"cuda_ipc: {len(handles)} handles for {len(manifest.buckets)} buckets"
                              + (f" (none for bucket {missing[0]})" if missing else ""))
         payloads = [ipc.bucket_payload(by_bucket[b.index], b) for b in manifest.buckets]
-        return self._update(manifest, self._from_tensor(payloads, timeout_s), timeout_s, read_back)
+        return self._update(manifest, self._from_tensor(payloads, timeout_s), timeout_s, read_back, policy)
 
     def init_group(self, *, master_address: str, master_port: int, rank_offset: int, world_size: int,
                    group_name: str, backend: str, timeout_s: float) -> None:
@@ -225,7 +263,7 @@ class SglangEngine:
             return False  # no such group, or SGLang is gone: nothing left to destroy
 
     def update_from_broadcast(self, manifest: Manifest, group_name: str, timeout_s: float,
-                              read_back: bool = False) -> int:
+                              read_back: bool = False, policy: str = "drain") -> int:
         """One `/update_weights_from_distributed` per bucket while the trainer broadcasts it."""
         def send(k: int, bucket, version: str | None) -> None:
             self.client.update_weights_from_distributed(
@@ -233,7 +271,7 @@ class SglangEngine:
                 shapes=[list(t.shape) for t in bucket.tensors], group_name=group_name,
                 flush_cache=version is not None, weight_version=version, timeout_s=timeout_s + 30,
             )
-        return self._update(manifest, send, timeout_s, read_back)
+        return self._update(manifest, send, timeout_s, read_back, policy)
 
     def _from_tensor(self, payloads: list[str], timeout_s: float | None = None):
         def send(k: int, bucket, version: str | None) -> None:
@@ -243,12 +281,21 @@ class SglangEngine:
             )
         return send
 
-    def _update(self, manifest: Manifest, send, timeout_s: float | None = None, read_back: bool = False) -> int:
+    def _update(self, manifest: Manifest, send, timeout_s: float | None = None, read_back: bool = False,
+                policy: str = "drain") -> int:
         """Every bucket of a version, in manifest order, while no generation runs; the last one
         flushes the prefix cache and sets the weight version. With `read_back`, SGLang's weights
-        are then read back and must carry the manifest's fingerprints."""
+        are then read back and must carry the manifest's fingerprints.
+
+        `drain`: the Generate calls in flight finish first and new ones wait. `pause`: SGLang's
+        `/pause_generation {mode: retract}` puts running requests back in its queue (their KV
+        freed, recomputed under the new weights when they resume), and `/continue_generation`
+        resumes them after the last bucket. `abort`: `{mode: abort}` ends them, with finish
+        reason abort. (Not `in_place`: its kept KV makes the flush of the prefix cache fail.)"""
+        if policy not in self.update_policies:
+            raise ValueError(f"policy: must be one of {', '.join(self.update_policies)}, got {policy!r}")
         started = time.perf_counter()
-        with self._lock:
+        with self._exclusive(drain=policy == "drain"), self._paused(policy):
             if "weights" in self.released:
                 raise EngineStateError("UpdateWeights: weights are released; call ResumeMemory(weights) first")
             if read_back:
@@ -268,6 +315,23 @@ class SglangEngine:
             self.weight_version, self.serving, self.last_error = manifest.version, True, ""
         self.last_apply_seconds = time.perf_counter() - started
         return manifest.total_bytes
+
+    @contextlib.contextmanager
+    def _paused(self, policy: str):
+        if policy == "drain":
+            yield
+            return
+        try:
+            self.client.pause_generation("retract" if policy == "pause" else "abort")
+        except SglangError as e:
+            raise WeightSyncError(f"SGLang could not pause generation for the update: {e}") from e
+        try:
+            yield
+        finally:
+            try:
+                self.client.continue_generation()
+            except SglangError as e:
+                self.leave_pool(f"SGLang did not continue generation after an update: {e}")
 
     # ---- exact verification: what SGLang holds, read back ---------------------------------------
     def _check_reads_back(self) -> None:
@@ -335,7 +399,7 @@ class SglangEngine:
         bad = [t for t in tags if t not in _TAGS]
         if bad:
             raise ValueError(f"tags: unknown memory tag {bad[0]!r} (expected weights or kv_cache)")
-        with self._lock:
+        with self._exclusive():  # SGLang asserts it is idle
             try:
                 call([sg for t in tags for sg in _TAGS[t]])
             except SglangError as e:
@@ -381,27 +445,33 @@ def sampling_params(s: Sampling) -> dict:
     return params
 
 
-def _completions(items: list[dict], prompts_ids: list[list[int]], n: int) -> tuple[list[Generation], int]:
-    """SGLang's answers as prompt-major Generations, and the one weight version behind all of them."""
+def _completions(items: list[dict], prompts_ids: list[list[int]], n: int,
+                 started_under: int) -> tuple[list[Generation], int]:
+    """SGLang's answers as prompt-major Generations, and the version the call started under.
+
+    SGLang reports one weight version a request, the one in effect when it finished: a request
+    that finished under the version it started under made every token under it; one that
+    finished under a later version (an update with policy pause went by) made its tokens under
+    both, and SGLang does not say which where, so its `versions` are left empty."""
     if len(items) != len(prompts_ids) * n:
         raise EngineStateError(f"SGLang answered {len(items)} completions for {len(prompts_ids)} prompts x n={n}")
-    out, versions = [], set()
+    out = []
     for k, item in enumerate(items):
         prompt = _prompt_of(k, len(prompts_ids), n)
         meta = item.get("meta_info") or {}
         reason = (meta.get("finish_reason") or {}).get("type")
-        if reason not in ("stop", "length"):
+        if reason not in ("stop", "length", "abort"):
             raise EngineStateError(f"SGLang finished completion {k} with {meta.get('finish_reason')!r}")
-        versions.add(str(meta.get("weight_version", "")))
+        version = str(meta.get("weight_version", ""))
+        finished_under = int(version) if re.fullmatch(r"-?\d+", version) else started_under
+        output_ids = list(item.get("output_ids") or [])
         logprobs = [float(entry[0]) for entry in meta.get("output_token_logprobs") or []]
-        out.append((prompt, Generation(prompt_index=prompt, prompt_ids=prompts_ids[prompt],
-                                       output_ids=list(item.get("output_ids") or []), text=item.get("text", ""),
-                                       logprobs=logprobs, finish_reason=reason)))
-    if len(versions) != 1:
-        raise EngineStateError(f"SGLang answered with several weight versions at once: {sorted(versions)}")
-    version = versions.pop()
+        versions = ((started_under, len(output_ids)),) if finished_under == started_under and output_ids else ()
+        out.append((prompt, Generation(prompt_index=prompt, prompt_ids=prompts_ids[prompt], output_ids=output_ids,
+                                       text=item.get("text", ""), logprobs=logprobs, finish_reason=reason,
+                                       versions=versions)))
     out.sort(key=lambda pair: pair[0])  # stable: the samples of a prompt keep SGLang's order
-    return [g for _, g in out], int(version) if re.fullmatch(r"-?\d+", version) else 0
+    return [g for _, g in out], started_under
 
 
 def _prompt_of(k: int, num_prompts: int, n: int) -> int:
