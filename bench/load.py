@@ -39,10 +39,57 @@ def _rss_kib(pid: int) -> int:
     return 0
 
 
+def _client(address: str, request_bytes: bytes, max_new_tokens: int, prompts: int, threads: int, start_at: float,
+            stop_at: float, results) -> None:
+    """`threads` clients calling Generate back to back from `start_at` until `stop_at`
+    (time.time()); puts (latencies, errors, shed, when the last call ended) on `results`. Runs in
+    the bench process or in a client process of its own."""
+    channel = rpc.open_channel(address)
+    stub = rollout_pb2_grpc.RolloutStub(channel)
+    request = rollout_pb2.GenerateRequest.FromString(request_bytes)
+    latencies: list[float] = []
+    errors: list[str] = []
+    shed = [0]
+    lock = threading.Lock()
+
+    def client() -> None:
+        while time.time() < stop_at:
+            t0 = time.perf_counter()
+            try:
+                reply = stub.Generate(request, timeout=120)
+            except grpc.RpcError as e:
+                with lock:
+                    if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                        shed[0] += 1
+                    else:
+                        errors.append(f"{e.code().name}: {e.details()}")
+                time.sleep(0.02)
+                continue
+            ok = len(reply.results) == prompts and all(len(r.output_ids) == max_new_tokens for r in reply.results)
+            with lock:
+                latencies.append(time.perf_counter() - t0)
+                if not ok:
+                    errors.append("a reply with missing completions")
+
+    workers = [threading.Thread(target=client) for _ in range(threads)]
+    time.sleep(max(0.0, start_at - time.time()))
+    for t in workers:
+        t.start()
+    for t in workers:
+        t.join()
+    channel.close()
+    results.put((latencies, errors, shed[0], time.time()))
+
+
 def run(model_dir: Path, *, clients: int, seconds: float, max_new_tokens: int = 8, log_dir: Path | None = None,
-        prompts: list[str] = PROMPTS, device: str = "cpu", max_batch_size: int = 0) -> dict:
-    """`clients` threads each calling Generate with `prompts` back to back for `seconds`, against
-    one engine on `device`; the limit is one call of every client's prompts at once."""
+        prompts: list[str] = PROMPTS, device: str = "cpu", max_batch_size: int = 0, load_weights: bool = True,
+        dtype: str = "", processes: int = 1) -> dict:
+    """`clients` threads (spread over `processes` client processes: one Python process cannot
+    make calls fast enough for a GPU) each calling Generate with `prompts` back to back for
+    `seconds`, against one engine on `device`; the limit is one call of every client's prompts."""
+    import multiprocessing
+    import queue as queues
+
     log_dir = log_dir or Path(tempfile.mkdtemp(prefix="rlfleet-load-"))
     fleet = LocalFleet(log_dir, env={"OMP_NUM_THREADS": "1"})
     try:
@@ -51,60 +98,56 @@ def run(model_dir: Path, *, clients: int, seconds: float, max_new_tokens: int = 
         channel = rpc.open_channel(child.address)
         stub = rollout_pb2_grpc.RolloutStub(channel)
         stub.Configure(rollout_pb2.ConfigureRolloutRequest(config=rollout_pb2.RolloutConfig(
-            model_path=str(model_dir), load_weights=True, device=device, max_batch_size=max_batch_size)), timeout=300)
+            model_path=str(model_dir), load_weights=load_weights, device=device, max_batch_size=max_batch_size,
+            dtype=dtype)), timeout=300)
         sampling = rollout_pb2.SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True)
         request = rollout_pb2.GenerateRequest(prompts=prompts, sampling=sampling)
         stub.Generate(request, timeout=60)  # warm
-
-        # the limit: one call holding every client's prompts
+        # the limit: one call holding every client's prompts (the second of two: the first warms its shapes)
         batched = rollout_pb2.GenerateRequest(prompts=list(prompts) * clients, sampling=sampling)
+        stub.Generate(batched, timeout=300)
         started = time.perf_counter()
         stub.Generate(batched, timeout=300)
         limit = len(prompts) * clients / (time.perf_counter() - started)
 
-        latencies: list[float] = []
-        errors: list[str] = []
-        shed = [0]
-        lock = threading.Lock()
-        stop_at = time.monotonic() + seconds
         peak = [_rss_kib(child.process.pid)]
         start_rss = peak[0]
-
-        def client() -> None:
-            while time.monotonic() < stop_at:
-                t0 = time.perf_counter()
-                try:
-                    reply = stub.Generate(request, timeout=60)
-                except grpc.RpcError as e:
-                    with lock:
-                        if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
-                            shed[0] += 1
-                        else:
-                            errors.append(f"{e.code().name}: {e.details()}")
-                    time.sleep(0.02)
-                    continue
-                ok = len(reply.results) == len(prompts) and all(len(r.output_ids) == max_new_tokens for r in reply.results)
-                with lock:
-                    latencies.append(time.perf_counter() - t0)
-                    if not ok:
-                        errors.append("a reply with missing completions")
-
-        threads = [threading.Thread(target=client) for _ in range(clients)]
-        began = time.perf_counter()
-        for t in threads:
-            t.start()
-        while any(t.is_alive() for t in threads):
-            peak[0] = max(peak[0], _rss_kib(child.process.pid))
-            time.sleep(0.2)
-        elapsed = time.perf_counter() - began
+        processes = max(1, min(processes, clients))
+        start_at = time.time() + (0.0 if processes == 1 else 5.0)  # (client processes start first)
+        stop_at = start_at + seconds
+        shares = [clients // processes + (i < clients % processes) for i in range(processes)]
+        args = (child.address, request.SerializeToString(), max_new_tokens, len(prompts))
+        if processes == 1:
+            results: queues.Queue = queues.Queue()
+            workers = [threading.Thread(target=_client, args=(*args, clients, start_at, stop_at, results))]
+        else:
+            context = multiprocessing.get_context("spawn")
+            results = context.Queue()
+            workers = [context.Process(target=_client, args=(*args, share, start_at, stop_at, results))
+                       for share in shares]
+        for w in workers:
+            w.start()
+        parts = []
+        while len(parts) < len(workers):
+            try:
+                parts.append(results.get(timeout=0.2))
+            except queues.Empty:
+                peak[0] = max(peak[0], _rss_kib(child.process.pid))
+        elapsed = max(part[3] for part in parts) - start_at
+        for w in workers:
+            w.join()
         channel.close()
     finally:
         fleet.stop()
+    latencies = [x for part in parts for x in part[0]]
+    errors = [x for part in parts for x in part[1]]
+    shed = sum(part[2] for part in parts)
     calls = len(latencies)
     quantiles = statistics.quantiles(latencies, n=100) if calls >= 2 else [float("nan")] * 99
     throughput = calls * len(prompts) / elapsed
     return {
-        "bench": "load", "clients": clients, "prompts_per_call": len(prompts), "device": device, "seconds": round(elapsed, 2), "calls": calls, "shed": shed[0],
+        "bench": "load", "clients": clients, "client_processes": processes, "prompts_per_call": len(prompts),
+        "device": device, "seconds": round(elapsed, 2), "calls": calls, "shed": shed,
         "errors": len(errors), "first_errors": errors[:3], "completions_per_s": round(throughput, 1),
         "tokens_per_s": round(throughput * max_new_tokens, 1), "limit_completions_per_s": round(limit, 1),
         "ratio": round(throughput / limit, 3), "p50_s": round(quantiles[49], 4), "p90_s": round(quantiles[89], 4),

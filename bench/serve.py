@@ -8,7 +8,7 @@ shed. A serving engine keeps the ratio near 1 as C grows; one that serves a call
 towards 1/C of its batched throughput. A PNG draws ratio and latency against C.
 
     python bench/serve.py --out run.jsonl --png bench/results/serve-<machine>.png && python bench/common.py publish serve run.jsonl
-    python bench/serve.py --device cuda --model DIR --clients 1,8,64,256   # a GPU and a model of your own
+    python bench/serve.py --device cuda --shape 0.5b --new-tokens 128 --processes 8   # a GPU: Qwen2.5-0.5B's shape
 """
 
 from __future__ import annotations
@@ -24,6 +24,25 @@ from bench.common import commit, emit, machine  # noqa: E402
 from bench.load import run  # noqa: E402
 
 PROMPT = ["13+29="]
+ARITH_MODEL = Path(__file__).resolve().parents[1] / "examples/arith/model"
+
+
+def shaped_model(shape: str, directory: Path) -> Path:
+    """A model directory of one of bench/rollout.py's shapes (its config and the arithmetic
+    model's tokenizer, no weights: the engine initialises them), for `load_weights` off."""
+    import json
+    import shutil
+
+    from bench.rollout import SHAPES, VOCAB
+    from services.models import ModelConfig
+
+    config = ModelConfig(architecture="qwen2", vocab_size=VOCAB, tie_word_embeddings=True,
+                         max_position_embeddings=4096, **SHAPES[shape])
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(config.to_hf_dict()))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(ARITH_MODEL / name, directory / name)
+    return directory
 
 
 def plot(lines: list[dict], path: Path) -> None:
@@ -52,8 +71,11 @@ def plot(lines: list[dict], path: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    parser.add_argument("--model", type=Path, default=Path(__file__).resolve().parents[1] / "examples/arith/model")
+    parser.add_argument("--model", type=Path, default=ARITH_MODEL)
+    parser.add_argument("--shape", choices=("0.5b", "1.5b", "tiny"),
+                        help="instead of --model: that shape with random weights (bfloat16 on a GPU)")
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--processes", type=int, default=1, help="client processes the clients are spread over")
     parser.add_argument("--clients", default="1,8,64,256")
     parser.add_argument("--seconds", type=float, default=10.0, help="per client count")
     parser.add_argument("--new-tokens", type=int, default=16)
@@ -61,12 +83,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--png", type=Path)
     args = parser.parse_args(argv)
     counts = [int(c) for c in args.clients.split(",")]
+    if args.device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            print(f"serve: --device {args.device} needs a CUDA GPU", file=sys.stderr)
+            return 2
+    model, options = args.model, {}
+    if args.shape:
+        import tempfile
+
+        model = shaped_model(args.shape, Path(tempfile.mkdtemp(prefix="rlfleet-serve-")) / args.shape)
+        options = {"load_weights": False, "dtype": "bfloat16" if args.device.startswith("cuda") else "float32"}
     lines = []
     for i, clients in enumerate(counts):
         print(f"# [{i + 1}/{len(counts)}] {clients} clients for {args.seconds:.0f} s ...", file=sys.stderr, flush=True)
-        line = run(args.model, clients=clients, seconds=args.seconds, max_new_tokens=args.new_tokens, prompts=PROMPT,
-                   device=args.device, max_batch_size=max(counts))
-        line = {**line, "bench": "serve", "max_new_tokens": args.new_tokens}
+        line = run(model, clients=clients, seconds=args.seconds, max_new_tokens=args.new_tokens, prompts=PROMPT,
+                   device=args.device, max_batch_size=max(counts), processes=args.processes, **options)
+        line = {**line, "bench": "serve", "max_new_tokens": args.new_tokens, "model": args.shape or model.name}
         emit(line, args.out)
         lines.append(line)
         print(f"#   ratio {line['ratio']}, p50 {line['p50_s']} s, p99 {line['p99_s']} s, {line['shed']} shed, "
