@@ -58,6 +58,7 @@ def plot(lines: list[dict], path: Path) -> None:
     repeats = [line["repeat"] for line in lines]
     ax.bar([r - 0.2 for r in repeats], [line["off_s"] for line in lines], width=0.4, label="cache off")
     ax.bar([r + 0.2 for r in repeats], [line["on_s"] for line in lines], width=0.4, label="cache on")
+    ax.set_xticks(repeats)
     ax.set(xlabel="repeat (new conversations)", ylabel="second-turn prefill call (s)")
     ax.legend(fontsize=8)
     first = lines[0]
