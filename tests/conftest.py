@@ -92,6 +92,12 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def long_model_dir(tmp_path_factory) -> Path:
+    """A tiny model with room for prompts and completions of a few hundred tokens (many KV blocks)."""
+    return make_tiny_model(tmp_path_factory.mktemp("long-model"), max_position_embeddings=320, architecture="qwen2")
+
+
+@pytest.fixture(scope="session")
 def task_files(tmp_path_factory) -> tuple[Path, Path]:
     directory = tmp_path_factory.mktemp("task")
     return write_task(directory, 64, seed=1), write_task(directory, 16, seed=2)

@@ -18,20 +18,12 @@ from services.rollout.engine import RolloutEngine, RolloutSettings
 from services.rollout.receiver import Staging
 from services.rollout.types import Sampling
 from services.weights.apply import named_weights
-from tests.conftest import make_tiny_model
 from tests.unit.test_serving import _teacher_forced, _update
 
 torch.set_num_threads(1)
 
 GREEDY = Sampling(temperature=0.0, max_new_tokens=12, ignore_eos=True)
 SEEDED = Sampling(temperature=1.0, max_new_tokens=12, seed=4, n=3, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def long_model_dir(tmp_path_factory):
-    """A tiny model with room for prompts of a few hundred tokens (many 16-token blocks)."""
-    return make_tiny_model(tmp_path_factory.mktemp("long-model"), max_position_embeddings=320,
-                           architecture="qwen2")
 
 
 def _engine(model_dir, prefix_cache: bool, **settings) -> RolloutEngine:

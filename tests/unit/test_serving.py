@@ -79,12 +79,12 @@ def check_concurrent_callers(tiny_model_dir, device: str) -> None:
     prompts = [_prompt(i) for i in range(32)]
     samplings = [Sampling(**{**SEEDED.__dict__, "seed": 100 + i}) for i in range(32)]
     results = _concurrently([lambda p=p, s=s: engine.generate([p], s)[0] for p, s in zip(prompts, samplings)])
-    stats = engine.core.scheduler.last_stats
+    scheduler = engine.core.scheduler
     alone = [_solo(tiny_model_dir, [p], s, device, max_batch_size=64) for p, s in zip(prompts[:6], samplings[:6])]
     engine.close()
     assert all(isinstance(r, list) for r in results), results
-    assert stats.max_rows > 8  # callers' rows ran side by side, not a call at a time
-    assert stats.rounds < 32 * SEEDED.max_new_tokens / 4  # far fewer rounds than one call after another
+    assert scheduler.peak_rows > 8  # callers' rows ran side by side, not a call at a time
+    assert scheduler.rounds_run < 32 * SEEDED.max_new_tokens / 4  # far fewer rounds than one call after another
     assert [r[0].output_ids for r in results[:6]] == [a[0].output_ids for a in alone]
     assert len({tuple(r[0].output_ids) for r in results}) > 16  # their own seeds: different samples
     assert all(r[0].versions == ((0, SEEDED.max_new_tokens),) for r in results)
@@ -144,7 +144,7 @@ def test_a_pool_too_small_for_every_row_finishes_them_all_with_the_same_tokens(t
     monkeypatch.setattr(engine.core, "_cpu_blocks", lambda longest, rows: 3 * rows_blocks + 1)
     prompts = [[_prompt(4 * c + k) for k in range(4)] for c in range(16)]
     results = _concurrently([lambda p=p: engine.generate(p, GREEDY)[0] for p in prompts])
-    assert engine.core.scheduler.last_stats.max_rows <= 3
+    assert engine.core.scheduler.peak_rows == 3
     assert _all_blocks_back(engine)
     engine.close()
     free = _solo(tiny_model_dir, [p for group in prompts for p in group], GREEDY, max_batch_size=64)
@@ -237,7 +237,7 @@ def test_pause_swaps_between_steps_and_every_token_names_the_weights_that_sample
     check_pause_versions(tiny_model_dir, "cpu", tolerance=1e-4)
 
 
-def check_pause_versions(tiny_model_dir, device: str, tolerance: float) -> None:
+def check_pause_versions(tiny_model_dir, device: str, tolerance: float, min_spanning: int = 5) -> None:
     """Streaming callers run across five updates with `pause`: completions span versions, and
     each token's logprob is the one its claimed version's weights give (teacher-forced), not the
     one the version before or after gives."""
@@ -255,7 +255,7 @@ def check_pause_versions(tiny_model_dir, device: str, tolerance: float) -> None:
     results = [g for r in requests for g in r.wait(120)]
     engine.close()
     spanning = [g for g in results if len(g.versions) > 1]
-    assert len(spanning) >= 5 and {v for g in results for v, _ in g.versions} >= {1, 2, 3, 4, 5, 6}
+    assert len(spanning) >= min_spanning and {v for g in results for v, _ in g.versions} >= {1, 2, 3, 4, 5, 6}
     checked = discriminating = 0
     for g in results:
         assert sum(n for _, n in g.versions) == len(g.output_ids) == 40
@@ -346,3 +346,77 @@ def test_version_runs_cover_the_tokens():
     assert versions_of([(1, 0)], 5) == ((1, 5),)
     assert versions_of([(1, 0), (2, 3), (3, 3), (4, 7)], 9) == ((1, 3), (3, 4), (4, 2))
     assert versions_of([(1, 0), (2, 9)], 4) == ((1, 4),)  # (an abort's row kept fewer)
+
+
+# ---- preemption: rows admitted short of what they may make, recomputed when the pool runs out --
+
+
+def _pressured(engine: RolloutEngine, monkeypatch, rows_that_fit: int, longest: int) -> None:
+    """A CPU pool that holds `rows_that_fit` rows of `longest` tokens (it never grows)."""
+    blocks = rows_that_fit * engine.core.shape.blocks_for(longest) + 1
+    monkeypatch.setattr(engine.core, "_cpu_blocks", lambda longest_, rows: blocks)
+
+
+@pytest.mark.parametrize("sampling", [
+    Sampling(temperature=0.0, max_new_tokens=150, ignore_eos=True),
+    Sampling(temperature=1.0, max_new_tokens=150, seed=2, n=2, ignore_eos=True),
+], ids=["greedy", "seeded-n2"])
+def test_a_full_pool_preempts_the_youngest_rows_and_they_finish_as_if_never_preempted(long_model_dir, monkeypatch,
+                                                                                    sampling):
+    """12 rows of up to 170 tokens from 4 callers into a pool of three such rows: rows are
+    admitted with blocks for part of their completion, grow, and when the pool runs dry the
+    youngest are preempted and later recomputed from their prompt and outputs. Every row
+    finishes with the tokens and draws of an unpressured run (logprobs within 1e-5), the
+    preempted ones included, and every block comes back."""
+    prompts = [[3 + (i * 5 + k) % 13 for k in range(8 + 2 * i)] for i in range(12 // sampling.n)]
+    engine = _engine(long_model_dir, max_batch_size=8)
+    _pressured(engine, monkeypatch, 3, 24 + 150)
+    calls = [lambda p=prompts[c::4]: engine.generate(p, sampling)[0] for c in range(4)]
+    results = _concurrently(calls)
+    scheduler = engine.core.scheduler
+    assert _all_blocks_back(engine)
+    engine.close()
+    assert scheduler.preempted > 0 and scheduler.peak_rows > 3  # more rows ran than full reservations fit
+    # (each call's own: a draw's key is the call's seed, the prompt's index in it and the sample's)
+    free = [g for c in range(4) for g in _solo(long_model_dir, prompts[c::4], sampling, max_batch_size=16)]
+    got = [g for r in results for g in r]
+    assert [g.output_ids for g in got] == [g.output_ids for g in free]
+    for g, f in zip(got, free):
+        assert len(g.logprobs) == 150 and max(abs(a - b) for a, b in zip(g.logprobs, f.logprobs)) < 1e-5
+
+
+def test_an_abort_ends_preempted_rows_too(long_model_dir, monkeypatch):
+    """Rows waiting to be recomputed are in flight: an `abort` update ends them with their
+    tokens so far, as it ends the rows running."""
+    engine = _engine(long_model_dir, max_batch_size=8)
+    _pressured(engine, monkeypatch, 2, 8 + 150)
+    versions = _versions(engine, 2)
+    staging = Staging(engine.device)
+    _update(engine, staging, versions[0], 1, "drain")
+    sampling = Sampling(temperature=1.0, max_new_tokens=150, seed=1, ignore_eos=True, stop=("never said",))
+    request = engine.submit([[3 + (i + k) % 13 for k in range(8)] for i in range(8)], sampling)
+    deadline = time.monotonic() + 60
+    while engine.core.scheduler.preempted == 0 and time.monotonic() < deadline:
+        time.sleep(0.001)
+    _update(engine, staging, versions[1], 2, "abort")
+    results = request.wait(120)
+    engine.close()
+    aborted = [g for g in results if g.finish_reason == "abort"]
+    assert aborted and all(len(g.logprobs) == len(g.output_ids) < 150 for g in aborted)
+    assert all(g.versions == ((1, len(g.output_ids)),) for g in aborted if g.output_ids)
+    assert all(g.versions == ((2, 150),) for g in results if g.finish_reason != "abort")
+
+
+def test_preempted_rows_name_the_weights_of_every_token_across_pause_updates(tiny_model_dir, monkeypatch):
+    """The pause check again, in a pool that keeps preempting rows (blocks for 8 tokens at
+    admission, a pool of three whole rows): a row recomputed after an update went by carries on
+    under the new weights, and its tokens still name the version that sampled each."""
+    from services.rollout.builtin import core, scheduler
+
+    monkeypatch.setattr(scheduler, "RESERVE_AHEAD", 8)
+    monkeypatch.setattr(core.GenerationCore, "_cpu_blocks", lambda self, longest, rows: 3 * 3 + 1)
+    preempted = []
+    real = scheduler.Scheduler._preempt
+    monkeypatch.setattr(scheduler.Scheduler, "_preempt", lambda self, k: (preempted.append(k), real(self, k)))
+    check_pause_versions(tiny_model_dir, "cpu", tolerance=1e-4, min_spanning=2)  # (fewer rows run at once)
+    assert len(preempted) >= 3

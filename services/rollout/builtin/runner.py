@@ -154,6 +154,9 @@ class NewRow:
     prompt_len: int
     key: int  # sampling.row_key
     logits_index: int  # which prefill logits row it samples its first token from
+    # A preempted row coming back: the tokens and logprobs it made before (its prompt here holds
+    # them too); it goes on from there, its draws those of a row never preempted.
+    outputs: tuple[list[int], list[float]] | None = None
 
 
 class ModelRunner:
@@ -232,16 +235,24 @@ class ModelRunner:
         width = max(len(row.block_table) for row in rows)
         # The first sampled token sits at position prompt_len; recording it advances there.
         # All in one tensor, so that one copy moves them, and the host goes on while the prefill runs.
-        packed = padded([[row.key, row.prompt_len - 1, row.logits_index, *row.block_table] for row in rows],
-                        3 + width, TRASH_BLOCK, torch.int64)
-        packed = to_device(packed, self.device)  # [count, 3 + width]
-        keys, positions, logits_index, table = packed[:, 0], packed[:, 1], packed[:, 2], packed[:, 3:]
+        packed = padded([[row.key, row.prompt_len - 1, row.logits_index, len(row.outputs[0]) if row.outputs else 0,
+                          *row.block_table] for row in rows], 4 + width, TRASH_BLOCK, torch.int64)
+        packed = to_device(packed, self.device)  # [count, 4 + width]
+        keys, positions, logits_index, made, table = packed[:, 0], packed[:, 1], packed[:, 2], packed[:, 3], packed[:, 4:]
         slot = slice(first_slot, first_slot + count)
         state = self.rows
         state.block_tables[slot] = TRASH_BLOCK
         state.block_tables[slot, :width] = table
         state.keys[slot] = keys
-        state.num_made[slot] = 0
+        state.num_made[slot] = made
+        for k, row in enumerate(rows):
+            if row.outputs:  # (rare: a preempted row's outputs so far, back where it left them)
+                ids, logprobs = row.outputs
+                state.out_tokens[first_slot + k, : len(ids)] = to_device(torch.tensor(ids, dtype=torch.int64),
+                                                                         self.device)
+                state.out_logprobs[first_slot + k, : len(ids)] = to_device(torch.tensor(logprobs,
+                                                                                        dtype=torch.float32),
+                                                                           self.device)
         state.done[slot] = False
         state.positions[slot] = positions
         # Each row samples from its prompt's logits row: with one sample a prompt, in order, the
@@ -380,6 +391,12 @@ class ModelRunner:
             ready = torch.cuda.Event()
             ready.record()
         return CopiedOutputs(tokens, logprobs, lengths, start, ready)
+
+    def extend_tables(self, entries: list[tuple[int, int, int]]) -> None:
+        """Rows' block tables grow: (slot, index, block) each, in one indexed write."""
+        if entries:
+            slots, index, blocks = to_device(torch.tensor(entries, dtype=torch.int64).t().contiguous(), self.device)
+            self.rows.block_tables[slots, index] = blocks.to(self.rows.block_tables.dtype)
 
     def tokens_so_far(self, num_rows: int, width: int) -> list[list[int]]:
         return _lists(self.rows.out_tokens[:num_rows, :width])

@@ -31,9 +31,13 @@ records are made; rows that nothing but their length limit can end are never rea
 knows when they finish), and their outputs so far are turned into lists a round at a time while
 later steps run, so that little is left for the end of a row, when the device may be idle.
 
-A row reserves blocks for its prompt plus max_new_tokens when admitted: it can never run out
-mid-way, so a full pool makes prompts wait (never refuses them) and nothing is ever preempted or
-recomputed.
+A row reserves blocks for its prompt plus max_new_tokens when admitted while the pool holds all
+that the rows running and waiting may make. When it does not, rows are admitted with blocks for
+RESERVE_AHEAD tokens past their prompt (while a free block is left for each row that grows) and
+take more as they go (`_grow`); when the pool runs dry the youngest rows are preempted: their
+blocks freed, their outputs so far kept, and they wait at the head of their queue to be
+prefilled again (prompt and outputs) and go on, with the draws of a row never preempted. A full
+pool makes prompts wait; it never refuses them.
 """
 
 from __future__ import annotations
@@ -59,6 +63,9 @@ MAX_UNCHECKED_STEPS = 64  # decode steps between host checks at most, when rows 
 # short of it: their outputs up to there become lists while those last steps run, so that few
 # are left to convert when the device is done (`Scheduler._outputs_so_far`).
 LAST_ROUND_STEPS = 8
+# A row admitted when the pool cannot hold all it may make gets blocks for this many tokens past
+# its prompt, and more as it goes; when none are left the youngest rows are preempted.
+RESERVE_AHEAD = 64
 
 
 def _timed(hand_back: Callable[[], float]) -> tuple[float, float]:
@@ -174,6 +181,7 @@ class _Row:
     ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     runs: list[tuple[int, int]] = field(default_factory=list)  # (weight version, from output token)
+    final_blocks: int = 0  # what prompt plus max_new_tokens needs: len(blocks) < final_blocks grows
 
 
 @dataclass
@@ -183,6 +191,7 @@ class _Waiting:
     prompt_ids: list[int]
     samples: list[int]  # sample indices not yet admitted
     keys: tuple[int, list[bytes]] | None = None  # (weight version, prefix-cache keys of its full blocks)
+    resume: _Row | None = None  # a preempted row: prompt_ids is its prompt and outputs so far
 
 
 @dataclass(frozen=True)
@@ -196,6 +205,7 @@ class CallStats:
     prefill_s: float = 0.0  # admitting and prefilling (host and GPU)
     decode_s: float = 0.0  # decode steps, up to the host seeing their results
     host_s: float = 0.0  # the rest: stop strings, retiring rows (partly during the next decode), packing
+    preempted: int = 0  # rows taken out of the batch for blocks, recomputed later
 
 
 @dataclass
@@ -207,10 +217,11 @@ class _Counters:
     prefill_s: float = 0.0
     decode_s: float = 0.0
     host_s: float = 0.0
+    preempted: int = 0
 
     def frozen(self) -> CallStats:
         return CallStats(self.rounds, self.decode_steps, self.prefills, self.max_rows, self.prefill_s,
-                         self.decode_s, self.host_s)
+                         self.decode_s, self.host_s, self.preempted)
 
 
 def versions_of(runs: list[tuple[int, int]], length: int) -> tuple[tuple[int, int], ...]:
@@ -253,6 +264,8 @@ class Scheduler:
         self._counters = _Counters()
         self._collections: _Collections | None = None
         self.rounds_run = 0  # over the scheduler's life
+        self.peak_rows = 0  # the most rows in the batch at once, over its life
+        self.preempted = 0  # rows preempted, over its life
 
     # ---- what callers see -------------------------------------------------------------------
 
@@ -323,7 +336,31 @@ class Scheduler:
             self._rows, self._made = [], []
             self.runner.keep([])
         self._flush()
+        for queue in self._queues.values():  # rows preempted mid-way are running rows too
+            for item in [w for w in queue if w.resume is not None]:
+                queue.remove(item)
+                self._waiting_rows -= 1
+                item.request.unadmitted -= 1
+                self._hand_back_preempted(item.resume, "abort")
+                count += 1
         return count
+
+    def _hand_back_preempted(self, row: _Row, reason: str) -> None:
+        request = row.request
+        if request.finished.is_set():
+            return
+        n = request.sampling.n
+        index = row.prompt_index * n + row.sample_index
+        result = request.results[index] = Generation(
+            prompt_index=row.prompt_index, prompt_ids=list(row.prompt_ids), output_ids=row.ids,
+            text=self.tokenizer.decode(row.ids), logprobs=row.logprobs, finish_reason=reason,
+            versions=versions_of(row.runs, len(row.ids)))
+        if request.on_result is not None:
+            request.on_result(index, result)
+        request.left -= 1
+        if request.left == 0:
+            self._live.remove(request)
+            request.finish()
 
     def fail(self, error: BaseException, requests: list[Request] | None = None) -> None:
         """End `requests` (default: every live one) with `error`: their rows' blocks freed, their
@@ -397,12 +434,18 @@ class Scheduler:
         admitted_at = time.perf_counter()
         c.prefill_s += admitted_at - started
         c.prefills += admitted
-        self._made += [1] * (len(rows) - len(self._made))
+        self._made += [len(row.ids) + 1 for row in rows[len(self._made):]]  # (a resumed row: its outputs too)
         made = self._made
         c.max_rows = max(c.max_rows, len(rows))
+        self.peak_rows = max(self.peak_rows, len(rows))
         max_new = self._class[3]
         can_stop = bool(self._class[4]) or any(row.request.sampling.stop for row in rows)
         todo = self._steps_before_check(made, max_new, can_stop)
+        if any(row.final_blocks > len(row.blocks) for row in rows):  # rows that grow as they go
+            todo = min(todo, self.cache.shape.block_size)
+            self._grow(todo)
+            rows, made = self._rows, self._made
+            todo = min(todo, self._steps_before_check(made, max_new, can_stop))
         if todo > 0:
             self.runner.decode(len(rows), todo, self._mode)
             c.decode_steps += todo
@@ -512,6 +555,8 @@ class Scheduler:
         tokens = taken = reserved = 0
         slots, free_blocks = self.runner.capacity - len(rows), allocator.num_free
         slots = int(min(slots, max(0, self._budget())))
+        tight = self._tight(slots, free_blocks)
+        growing = sum(1 for row in rows if row.final_blocks > len(row.blocks))  # rows that need a block soon
         while True:
             queue = self._next_waiting()
             if queue is None:
@@ -522,15 +567,27 @@ class Scheduler:
             if count == 0 or (plan and tokens + length > self.max_prefill_tokens):
                 break
             shared = length // bs  # blocks the prompt fills completely
-            per_row = -(-(length + max_new) // bs)
+            final = len(item.resume.prompt_ids) + max_new if item.resume is not None else length + max_new
+            per_row = final_blocks = -(-final // bs)
             hit = self._cached_prefix(item)  # blocks held already, this plan's references taken
             need = shared - len(hit) + count * (per_row - shared)
             if need > free_blocks - reserved and self.prefix is not None:
                 free_blocks += self.prefix.evict(need - (free_blocks - reserved))
-            if need > free_blocks - reserved:
-                if rows or plan:
+            if (tight or need > free_blocks - reserved) and (rows or plan or tight):
+                # Not room for all the rows may make: admitted with blocks for RESERVE_AHEAD tokens
+                # past its prompt while a block a row is left over, to grow as it goes (`_grow`).
+                per_row = -(-min(final, length + RESERVE_AHEAD) // bs)
+                need = shared - len(hit) + count * (per_row - shared)
+                will_grow = count if per_row < final_blocks else 0
+                if need + growing + will_grow <= free_blocks - reserved:
+                    growing += will_grow
+                elif rows or plan:
                     allocator.free(hit)
                     break  # wait for rows to finish
+                else:  # nothing runs: all it may make, for as many samples as fit (below)
+                    per_row = final_blocks
+                    need = shared - len(hit) + count * (per_row - shared)
+            if need > free_blocks - reserved:
                 if per_row > allocator.num_blocks - 1:
                     allocator.free(hit)
                     self.fail(PromptTooLong(
@@ -546,7 +603,7 @@ class Scheduler:
                 self.prefix.record(length, len(hit))
             # (the prompt, where its blocks start in the allocation: the shared ones not cached, then
             # each sample's own; the cached blocks it starts with)
-            plan.append((item, reserved, item.samples[:count], shared - len(hit), per_row - shared, hit))
+            plan.append((item, reserved, item.samples[:count], shared - len(hit), per_row - shared, hit, final_blocks))
             item.request.started = True
             reserved += need
             tokens += length
@@ -562,20 +619,20 @@ class Scheduler:
             return 0
         every = allocator.allocate(reserved)
         tables = []  # each prompt's first sample's: the shared blocks, then its own
-        for _, first, samples, shared, own_count, hit in plan:
+        for _, first, samples, shared, own_count, hit, _ in plan:
             for _ in range(len(samples) - 1):
                 allocator.share(hit + every[first : first + shared])
             tables.append(hit + every[first : first + shared + own_count])
         # The prefill is queued first and the rows are made while it runs: the host's work per
         # row (a sampling key, the row's records) would otherwise be time the device sits idle.
         first_request = plan[0][0].request
-        if all(item.request is first_request for item, *_ in plan):  # one caller's: its packed ids
+        if all(item.request is first_request and item.resume is None for item, *_ in plan):  # one caller's: its packed ids
             packed, indices = first_request.packed, [item.prompt_index for item, *_ in plan]
         else:
             packed, indices = pack_prompts([item.prompt_ids for item, *_ in plan]), list(range(len(plan)))
-        logits = self.runner.prefill(packed, indices, tables, [len(hit) * bs for *_, hit in plan])
+        logits = self.runner.prefill(packed, indices, tables, [len(plan_item[5]) * bs for plan_item in plan])
         new, new_rows, copies_src, copies_dst = [], [], [], []
-        for group, (item, first, samples, shared, own_count, hit) in enumerate(plan):
+        for group, (item, first, samples, shared, own_count, hit, final_blocks) in enumerate(plan):
             prompt_ids = list(item.prompt_ids)  # the results' own, whatever the caller does with theirs
             blocks = hit + every[first : first + shared + len(samples) * own_count]
             shared = len(hit) + shared
@@ -584,18 +641,101 @@ class Scheduler:
                 self.prefix.insert(item.keys[1][len(hit):shared], shared_blocks[len(hit):])
             partial = len(prompt_ids) % bs
             request = item.request
+            if item.resume is not None:  # a preempted row back, its KV recomputed: it goes on where it was
+                row = item.resume
+                row.blocks, row.final_blocks = blocks, final_blocks
+                if row.runs[-1][0] != self.version:  # (weights changed while it waited)
+                    row.runs.append((self.version, len(row.ids)))
+                new.append(row)
+                new_rows.append(NewRow(blocks, len(prompt_ids), sampling.row_key(request.seed, row.prompt_index,
+                                                                                 row.sample_index), group,
+                                       outputs=(row.ids, row.logprobs)))
+                continue
             for i, j in enumerate(samples):
                 table = shared_blocks + blocks[shared + i * own_count : shared + (i + 1) * own_count]
                 if i > 0 and partial:  # the prompt's last, partly filled block: each sample its own copy
                     copies_src.append(blocks[shared])
                     copies_dst.append(table[shared])
-                new.append(_Row(request, item.prompt_index, j, prompt_ids, table, runs=[(self.version, 0)]))
+                new.append(_Row(request, item.prompt_index, j, prompt_ids, table, runs=[(self.version, 0)],
+                                final_blocks=final_blocks))
                 new_rows.append(NewRow(table, len(prompt_ids), sampling.row_key(request.seed, item.prompt_index, j),
                                        group))
         self.runner.start(logits, new_rows, len(rows), self._mode)
         self.cache.copy_blocks(copies_src, copies_dst)
         rows.extend(new)
         return len(plan)
+
+    def _tight(self, slots: int, free_blocks: int) -> bool:
+        """Whether the pool is short of what the rows running and the next `slots` rows waiting
+        may make (then rows are admitted with part of it, `_admit`)."""
+        bs = self.cache.shape.block_size
+        max_new = self._class[3]
+        short = sum(row.final_blocks - len(row.blocks) for row in self._rows)
+        for queue in self._queues.values():
+            for item in itertools.islice(queue, slots):
+                if item.request.batch_class == self._class:
+                    prompt = len(item.resume.prompt_ids) if item.resume is not None else len(item.prompt_ids)
+                    short += len(item.samples) * -(-(prompt + max_new) // bs)
+        evictable = self.prefix.evictable() if self.prefix is not None else 0
+        return short > free_blocks + evictable
+
+    def _grow(self, steps: int) -> None:
+        """Blocks for the next `steps` tokens of every row admitted short of what it may make;
+        where the pool has too few (cached prefixes evicted first), the youngest rows are
+        preempted: their blocks freed, their outputs so far kept, and they wait at the head of
+        their queue to be prefilled again (prompt and outputs) and go on."""
+        bs = self.cache.shape.block_size
+        allocator = self.cache.allocator
+        rows, made = self._rows, self._made
+
+        def wanted() -> list[tuple[int, int]]:
+            out = []
+            for k, row in enumerate(rows):
+                if row.final_blocks > len(row.blocks):
+                    # positions up to prompt + made + steps hold keys and values by then
+                    more = min(row.final_blocks, -(-(len(row.prompt_ids) + made[k] + steps) // bs)) - len(row.blocks)
+                    if more > 0:
+                        out.append((k, more))
+            return out
+
+        want = wanted()
+        total = sum(n for _, n in want)
+        if total > allocator.num_free and self.prefix is not None:
+            self.prefix.evict(total - allocator.num_free)
+        while total > allocator.num_free and len(rows) > 1:
+            self._preempt(len(rows) - 1)
+            want = wanted()
+            total = sum(n for _, n in want)
+        if not want:
+            return
+        blocks = allocator.allocate(total)
+        entries, at = [], 0
+        for k, n in want:
+            row = rows[k]
+            entries += [(k, len(row.blocks) + i, b) for i, b in enumerate(blocks[at : at + n])]
+            row.blocks = row.blocks + blocks[at : at + n]
+            at += n
+        self.runner.extend_tables(entries)
+
+    def _preempt(self, k: int) -> None:
+        """Take row k (the last: the youngest) out of the batch to be recomputed later."""
+        rows, made = self._rows, self._made
+        row = rows[k]
+        self._flush()  # (outputs already queued for it land first)
+        self.runner.outputs_async([k], [made[k]], start=len(row.ids)).append_to([(row.ids, row.logprobs)])
+        self.cache.allocator.free(row.blocks)
+        row.blocks = []
+        keep = [i for i in range(len(rows)) if i != k]
+        self.runner.keep(keep)
+        rows[:] = [rows[i] for i in keep]
+        made[:] = [made[i] for i in keep]
+        request = row.request
+        self._queues[request.priority].appendleft(
+            _Waiting(request, row.prompt_index, row.prompt_ids + row.ids, [row.sample_index], resume=row))
+        request.unadmitted += 1
+        self._waiting_rows += 1
+        self._counters.preempted += 1
+        self.preempted += 1
 
     def _cached_prefix(self, item: _Waiting) -> list[int]:
         """The cached blocks a waiting prompt starts with, one reference taken to each (never
