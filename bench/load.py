@@ -40,10 +40,12 @@ def _rss_kib(pid: int) -> int:
 
 
 def _client(address: str, request_bytes: bytes, max_new_tokens: int, prompts: int, threads: int, start_at: float,
-            stop_at: float, results) -> None:
+            stop_at: float, results, measure_at: float | None = None) -> None:
     """`threads` clients calling Generate back to back from `start_at` until `stop_at`
-    (time.time()); puts (latencies, errors, shed, when the last call ended) on `results`. Runs in
+    (time.time()); puts (latencies, errors, shed, when the last call ended) on `results`, of the
+    calls that started at `measure_at` or later (the warm-up before it is not counted). Runs in
     the bench process or in a client process of its own."""
+    measure_at = start_at if measure_at is None else measure_at
     channel = rpc.open_channel(address)
     stub = rollout_pb2_grpc.RolloutStub(channel)
     request = rollout_pb2.GenerateRequest.FromString(request_bytes)
@@ -55,19 +57,21 @@ def _client(address: str, request_bytes: bytes, max_new_tokens: int, prompts: in
     def client() -> None:
         while time.time() < stop_at:
             t0 = time.perf_counter()
+            counted = time.time() >= measure_at
             try:
                 reply = stub.Generate(request, timeout=120)
             except grpc.RpcError as e:
                 with lock:
                     if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
-                        shed[0] += 1
+                        shed[0] += counted
                     else:
                         errors.append(f"{e.code().name}: {e.details()}")
                 time.sleep(0.02)
                 continue
             ok = len(reply.results) == prompts and all(len(r.output_ids) == max_new_tokens for r in reply.results)
             with lock:
-                latencies.append(time.perf_counter() - t0)
+                if counted:
+                    latencies.append(time.perf_counter() - t0)
                 if not ok:
                     errors.append("a reply with missing completions")
 
@@ -83,10 +87,12 @@ def _client(address: str, request_bytes: bytes, max_new_tokens: int, prompts: in
 
 def run(model_dir: Path, *, clients: int, seconds: float, max_new_tokens: int = 8, log_dir: Path | None = None,
         prompts: list[str] = PROMPTS, device: str = "cpu", max_batch_size: int = 0, load_weights: bool = True,
-        dtype: str = "", processes: int = 1) -> dict:
+        dtype: str = "", processes: int = 1, warmup: float = 0.0) -> dict:
     """`clients` threads (spread over `processes` client processes: one Python process cannot
     make calls fast enough for a GPU) each calling Generate with `prompts` back to back for
-    `seconds`, against one engine on `device`; the limit is one call of every client's prompts."""
+    `warmup` seconds not counted (on a GPU the batch sizes and prefill shapes the load brings
+    are captured as graphs then), then `seconds` counted, against one engine on `device`; the
+    limit is one call of every client's prompts."""
     import multiprocessing
     import queue as queues
 
@@ -114,16 +120,17 @@ def run(model_dir: Path, *, clients: int, seconds: float, max_new_tokens: int = 
         start_rss = peak[0]
         processes = max(1, min(processes, clients))
         start_at = time.time() + (0.0 if processes == 1 else 5.0)  # (client processes start first)
-        stop_at = start_at + seconds
+        measure_at = start_at + warmup
+        stop_at = measure_at + seconds
         shares = [clients // processes + (i < clients % processes) for i in range(processes)]
         args = (child.address, request.SerializeToString(), max_new_tokens, len(prompts))
         if processes == 1:
             results: queues.Queue = queues.Queue()
-            workers = [threading.Thread(target=_client, args=(*args, clients, start_at, stop_at, results))]
+            workers = [threading.Thread(target=_client, args=(*args, clients, start_at, stop_at, results, measure_at))]
         else:
             context = multiprocessing.get_context("spawn")
             results = context.Queue()
-            workers = [context.Process(target=_client, args=(*args, share, start_at, stop_at, results))
+            workers = [context.Process(target=_client, args=(*args, share, start_at, stop_at, results, measure_at))
                        for share in shares]
         for w in workers:
             w.start()
@@ -133,7 +140,7 @@ def run(model_dir: Path, *, clients: int, seconds: float, max_new_tokens: int = 
                 parts.append(results.get(timeout=0.2))
             except queues.Empty:
                 peak[0] = max(peak[0], _rss_kib(child.process.pid))
-        elapsed = max(part[3] for part in parts) - start_at
+        elapsed = max(part[3] for part in parts) - measure_at
         for w in workers:
             w.join()
         channel.close()

@@ -77,7 +77,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--processes", type=int, default=1, help="client processes the clients are spread over")
     parser.add_argument("--clients", default="1,8,64,256")
-    parser.add_argument("--seconds", type=float, default=10.0, help="per client count")
+    parser.add_argument("--seconds", type=float, default=10.0, help="per client count, counted")
+    parser.add_argument("--warmup", type=float, default=2.0,
+                        help="seconds of the same load before counting (graphs for its shapes captured)")
     parser.add_argument("--new-tokens", type=int, default=16)
     parser.add_argument("--out", type=Path)
     parser.add_argument("--png", type=Path)
@@ -99,8 +101,10 @@ def main(argv: list[str] | None = None) -> int:
     for i, clients in enumerate(counts):
         print(f"# [{i + 1}/{len(counts)}] {clients} clients for {args.seconds:.0f} s ...", file=sys.stderr, flush=True)
         line = run(model, clients=clients, seconds=args.seconds, max_new_tokens=args.new_tokens, prompts=PROMPT,
-                   device=args.device, max_batch_size=max(counts), processes=args.processes, **options)
-        line = {**line, "bench": "serve", "max_new_tokens": args.new_tokens, "model": args.shape or model.name}
+                   device=args.device, max_batch_size=max(counts), processes=args.processes, warmup=args.warmup,
+                   **options)
+        line = {**line, "bench": "serve", "max_new_tokens": args.new_tokens, "model": args.shape or model.name,
+                "warmup_s": args.warmup}
         emit(line, args.out)
         lines.append(line)
         print(f"#   ratio {line['ratio']}, p50 {line['p50_s']} s, p99 {line['p99_s']} s, {line['shed']} shed, "

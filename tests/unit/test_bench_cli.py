@@ -18,7 +18,7 @@ GPU_ONLY = ("decode_kernels", "host_upload", "sleep_wake", "train_step")
 CPU_RUNS = {
     "rollout": ["--device", "cpu", "--shapes", "tiny", "--batches", "2", "--new-tokens", "4", "--repeats", "1",
                 "--parts", "sweep", "--no-profile"],
-    "serve": ["--clients", "2", "--seconds", "1", "--new-tokens", "4"],
+    "serve": ["--clients", "2", "--seconds", "1", "--warmup", "0.5", "--new-tokens", "4"],
     "prefix": ["--conversations", "4", "--history", "64", "--reply", "4", "--turn", "8", "--repeats", "1"],
     "sync_phases": ["--mb", "4", "--syncs", "1", "--planes", "grpc_stream", "--log-lines", "0"],
     "weight_sync": ["--mb", "4", "--repeats", "1", "--planes", "shm", "--device", "cpu", "--json"],

@@ -49,11 +49,15 @@ def _all_blocks_accounted(engine: RolloutEngine) -> bool:
 
 @pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded-n3"])
 def test_cached_prefixes_give_the_tokens_and_logprobs_of_no_cache(long_model_dir, sampling):
+    check_cached_prefixes(long_model_dir, sampling, "cpu", 1e-5)
+
+
+def check_cached_prefixes(long_model_dir, sampling: Sampling, device: str, tolerance: float) -> None:
     """16 conversations over a 150-token start, asked three times (the second and third find
-    it cached, with the first turns too): same tokens, logprobs within 1e-5 (float32)."""
+    it cached, with the first turns too): same tokens, logprobs within `tolerance` (float32)."""
     prompts = _conversations(16, 150)
-    off = _engine(long_model_dir, False)
-    on = _engine(long_model_dir, True)
+    off = _engine(long_model_dir, False, device=device)
+    on = _engine(long_model_dir, True, device=device)
     try:
         plain = off.generate(prompts, sampling)[0]
         on.generate(prompts[:1], sampling)  # the start is cached ...
@@ -64,7 +68,7 @@ def test_cached_prefixes_give_the_tokens_and_logprobs_of_no_cache(long_model_dir
         for results in (first, again):
             assert [g.output_ids for g in results] == [g.output_ids for g in plain]
             for g, p in zip(results, plain):
-                assert max(abs(a - b) for a, b in zip(g.logprobs, p.logprobs)) < 1e-5
+                assert max(abs(a - b) for a, b in zip(g.logprobs, p.logprobs)) < tolerance
         assert _all_blocks_accounted(on)
     finally:
         off.close()

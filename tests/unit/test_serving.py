@@ -237,7 +237,8 @@ def test_pause_swaps_between_steps_and_every_token_names_the_weights_that_sample
     check_pause_versions(tiny_model_dir, "cpu", tolerance=1e-4)
 
 
-def check_pause_versions(tiny_model_dir, device: str, tolerance: float, min_spanning: int = 5) -> None:
+def check_pause_versions(tiny_model_dir, device: str, tolerance: float, min_spanning: int = 5,
+                         rounds_between: int = 6) -> None:
     """Streaming callers run across five updates with `pause`: completions span versions, and
     each token's logprob is the one its claimed version's weights give (teacher-forced), not the
     one the version before or after gives."""
@@ -249,8 +250,8 @@ def check_pause_versions(tiny_model_dir, device: str, tolerance: float, min_span
     sampling = Sampling(temperature=1.0, max_new_tokens=40, seed=1, ignore_eos=True, stop=("never said",))
     requests = [engine.submit([_prompt(i)], Sampling(**{**sampling.__dict__, "seed": i}), on_result=lambda i, g: None)
                 for i in range(24)]
-    for v in range(2, 7):
-        _after_rounds(engine, 6)
+    for v in range(2, 7):  # (a round is a step on a CPU, 8 on a GPU)
+        _after_rounds(engine, rounds_between)
         _update(engine, staging, versions[v - 1], v, "pause")
     results = [g for r in requests for g in r.wait(120)]
     engine.close()
@@ -276,14 +277,14 @@ def test_abort_ends_running_rows_with_their_tokens_and_waiting_rows_run_on_the_n
     check_abort(tiny_model_dir, "cpu")
 
 
-def check_abort(tiny_model_dir, device: str) -> None:
+def check_abort(tiny_model_dir, device: str, rounds: int = 5) -> None:
     engine = _engine(tiny_model_dir, device, max_batch_size=4)
     versions = _versions(engine, 2)
     staging = Staging(engine.device)
     _update(engine, staging, versions[0], 1, "drain")
     sampling = Sampling(temperature=1.0, max_new_tokens=40, seed=1, ignore_eos=True, stop=("never said",))
-    request = engine.submit([_prompt(i) for i in range(12)], sampling)  # a round a step: 4 rows at step 5
-    _after_rounds(engine, 5)
+    request = engine.submit([_prompt(i) for i in range(12)], sampling)  # on a CPU a round a step: 4 rows at step 5
+    _after_rounds(engine, rounds)
     _update(engine, staging, versions[1], 2, "abort")
     results = request.wait(60)
     engine.close()
