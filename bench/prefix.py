@@ -7,8 +7,8 @@ that the call is its prefill (and one sampled token). Reported per repeat (a new
 conversations each): the second-turn call's seconds on and off, their ratio, the cache's hit
 rate over turn 2's prompt tokens, and the ratio's floor: the share of prompt tokens a cache hit
 still leaves to compute (1 - hit rate; attention over the cached history is extra work on top).
-Turn 1's replies are not cached (only prompt blocks are), so the hit ends where turn 1's prompt
-does. A PNG draws the two times per repeat.
+Turn 1's prompt and reply are cached as its rows finish, so the hit runs to the reply's last
+full block. A PNG draws the two times per repeat.
 
     python bench/prefix.py --out run.jsonl --png bench/results/prefix-cpu.png && python bench/common.py publish prefix run.jsonl
     python bench/prefix.py --device cuda --shape 0.5b   # a GPU: Qwen2.5-0.5B's shape, bf16

@@ -165,3 +165,28 @@ def test_keys_name_a_whole_prefix_under_one_version():
     assert cache.match(keys) == blocks and cache.evictable() == 3
     cache.clear(version=2)
     assert cache.match(cache.keys(ids)) == [] and cache.allocator.num_free == 7
+
+
+def test_a_reply_is_cached_for_the_next_turn(long_model_dir):
+    """A finished row's prompt and reply go to the cache: a second turn (history, reply, a new
+    message) prefills only past the last full block of the reply, and gives the tokens and
+    logprobs of no cache."""
+    firsts = _conversations(8, 30, seed=3)
+    reply = Sampling(temperature=0.0, max_new_tokens=60, ignore_eos=True)
+    on, off = _engine(long_model_dir, True), _engine(long_model_dir, False)
+    try:
+        answers = on.generate(firsts, reply)[0]
+        seconds = [f + a.output_ids + [5, 6, 7] for f, a in zip(firsts, answers)]
+        prefix = on.core.scheduler.prefix
+        before = prefix.hit_tokens
+        got = on.generate(seconds, GREEDY)[0]
+        hit = prefix.hit_tokens - before
+        assert hit == sum((len(f) + 60 - 1) // 16 * 16 for f in firsts)  # every full block but the last token's
+        plain = off.generate(seconds, GREEDY)[0]
+        assert [g.output_ids for g in got] == [g.output_ids for g in plain]
+        for g, p in zip(got, plain):
+            assert max(abs(a - b) for a, b in zip(g.logprobs, p.logprobs)) < 1e-5
+        assert _all_blocks_accounted(on)
+    finally:
+        on.close()
+        off.close()

@@ -1,6 +1,7 @@
 """KV blocks shared across requests by prefix: a hash chain over full blocks.
 
-A prompt's full blocks are named by a chain of digests: block i's key is blake2b of block i-1's
+A prompt's full blocks (and, when a row finishes, those its prompt and outputs fill) are named
+by a chain of digests: block i's key is blake2b of block i-1's
 key and the 16 token ids it holds, and block 0's chain starts from the weight version, so a key
 names a whole prefix made under one version (a 16-byte digest: a false match is a 2^-64 event,
 as with vLLM's hashed blocks). `PrefixCache` maps keys to block ids, holding one reference to each

@@ -265,6 +265,7 @@ class Scheduler:
         self._collections: _Collections | None = None
         self.rounds_run = 0  # over the scheduler's life
         self.peak_rows = 0  # the most rows in the batch at once, over its life
+        self._held: dict[int, list[int]] = {}  # finished rows' blocks kept until their outputs are cached
         self.preempted = 0  # rows preempted, over its life
 
     # ---- what callers see -------------------------------------------------------------------
@@ -397,6 +398,7 @@ class Scheduler:
             self._round()
         except BaseException as e:
             self._pending = []
+            self._release_held()
             self.fail(e)
             raise
         if not self.busy:
@@ -571,6 +573,9 @@ class Scheduler:
             per_row = final_blocks = -(-final // bs)
             hit = self._cached_prefix(item)  # blocks held already, this plan's references taken
             need = shared - len(hit) + count * (per_row - shared)
+            if need > free_blocks - reserved and self._held:
+                self._flush()  # finished rows' kept blocks: to the cache, where they can be evicted
+                free_blocks = allocator.num_free
             if need > free_blocks - reserved and self.prefix is not None:
                 free_blocks += self.prefix.evict(need - (free_blocks - reserved))
             if (tight or need > free_blocks - reserved) and (rows or plan or tight):
@@ -677,7 +682,28 @@ class Scheduler:
                     prompt = len(item.resume.prompt_ids) if item.resume is not None else len(item.prompt_ids)
                     short += len(item.samples) * -(-(prompt + max_new) // bs)
         evictable = self.prefix.evictable() if self.prefix is not None else 0
-        return short > free_blocks + evictable
+        return short > free_blocks + evictable + sum(len(blocks) for blocks in self._held.values())
+
+    def _cache_outputs(self, rows: list[_Row], outputs, held: dict[int, list[int]]) -> None:
+        """Cache the full blocks of held rows' prompts and outputs (the last output's keys and
+        values are never written: it was sampled, not fed), then give the rows' blocks back."""
+        bs = self.cache.shape.block_size
+        for row, (ids, _) in zip(rows, outputs):
+            blocks = held.pop(id(row), None)
+            if blocks is None:
+                continue
+            self._held.pop(id(row), None)
+            if self.prefix is not None and self.prefix.version == self.version == row.runs[0][0]:
+                tokens = row.prompt_ids + ids
+                count = min(len(blocks), (len(tokens) - 1) // bs)
+                self.prefix.insert(self.prefix.keys(tokens, count), blocks[:count])
+            self.cache.allocator.free(blocks)
+
+    def _release_held(self) -> None:
+        """Blocks kept for the cache by hand-backs that will not run (an error ended them)."""
+        for blocks in self._held.values():
+            self.cache.allocator.free(blocks)
+        self._held.clear()
 
     def _grow(self, steps: int) -> None:
         """Blocks for the next `steps` tokens of every row admitted short of what it may make;
@@ -805,7 +831,13 @@ class Scheduler:
         lengths = [stopped[k][0] if k in stopped else made[k] for k in finished]
         done_rows = [rows[k] for k in finished]
         copied = self.runner.outputs_async(finished, lengths, start=min(len(row.ids) for row in done_rows))
-        self.cache.allocator.free([b for row in done_rows for b in row.blocks])  # one call, in the order of one a row
+        # With the prefix cache, rows made under today's weights keep their blocks until their
+        # outputs are on the host: then the blocks their prompt and outputs fill go to the cache
+        # (a next turn's history starts with them). The rest are freed now.
+        keep = [self.prefix is not None and row.runs == [(self.version, 0)] for row in done_rows]
+        self.cache.allocator.free([b for row, kept in zip(done_rows, keep) if not kept for b in row.blocks])
+        held = {id(row): row.blocks for row, kept in zip(done_rows, keep) if kept}
+        self._held.update(held)
         for row in done_rows:
             row.blocks = []
         stops = [stopped.get(k) for k in finished]
@@ -814,6 +846,8 @@ class Scheduler:
         def hand_back() -> float:
             waited = copied.wait()
             outputs = copied.append_to([(row.ids, row.logprobs) for row in done_rows])
+            if held:
+                self._cache_outputs(done_rows, outputs, held)
             plain = [i for i, stop in enumerate(stops) if stop is None]
             texts = dict(zip(plain, self.tokenizer.decode_batch([outputs[i][0] for i in plain]))) if plain else {}
             for i, (row, (ids, logprobs), stop) in enumerate(zip(done_rows, outputs, stops)):
