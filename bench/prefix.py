@@ -64,7 +64,7 @@ def plot(lines: list[dict], path: Path) -> None:
     first = lines[0]
     fig.suptitle(f"prefix cache: {first['conversations']} conversations, ~{first['history']}-token history "
                  f"({first['device']})\nratio {statistics.median(line['ratio'] for line in lines):.3f}, hit rate "
-                 f"{first['hit_rate']:.3f}; {machine()}, {commit()}, {time.strftime('%Y-%m-%d')}", fontsize=9)
+                 f"{first['hit_rate']:.3f}; {first['machine']}, {first['commit']}, {first['date']}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 

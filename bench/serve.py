@@ -15,12 +15,11 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import commit, emit, machine  # noqa: E402
+from bench.common import emit  # noqa: E402
 from bench.load import run  # noqa: E402
 
 PROMPT = ["13+29="]
@@ -63,7 +62,7 @@ def plot(lines: list[dict], path: Path) -> None:
     right.set(xscale="log", yscale="log", xlabel="concurrent clients C", ylabel="latency of a call (s)")
     right.legend(fontsize=7)
     fig.suptitle(f"one engine serving C one-prompt clients ({lines[0]['device']}, {lines[0]['max_new_tokens']} new "
-                 f"tokens)\n{machine()}, {commit()}, {time.strftime('%Y-%m-%d')}", fontsize=9)
+                 f"tokens)\n{lines[0]['machine']}, {lines[0]['commit']}, {lines[0]['date']}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
