@@ -190,3 +190,37 @@ def test_a_reply_is_cached_for_the_next_turn(long_model_dir):
     finally:
         on.close()
         off.close()
+
+
+def test_preemption_and_the_cache_together_change_no_token(long_model_dir, monkeypatch):
+    """A pool of two long rows' blocks, the cache on, 8 conversations over one start from two
+    callers: rows grow, are preempted and come back through the cache (their prompt and outputs
+    partly cached), finished rows' replies are cached and evicted again; every row gives the
+    tokens and logprobs of an unpressured run with no cache."""
+    import threading
+
+    prompts = _conversations(8, 60, seed=5)
+    sampling = Sampling(temperature=0.0, max_new_tokens=150, ignore_eos=True)
+    engine = _engine(long_model_dir, True, max_batch_size=8)
+    blocks = 2 * engine.core.shape.blocks_for(100 + 150) + 1
+    monkeypatch.setattr(engine.core, "_cpu_blocks", lambda longest, rows: blocks)
+    off = _engine(long_model_dir, False)
+    try:
+        out: dict[int, list] = {}
+        callers = [threading.Thread(target=lambda c=c: out.__setitem__(c, engine.generate(prompts[c::2], sampling)[0]))
+                   for c in range(2)]
+        for t in callers:
+            t.start()
+        for t in callers:
+            t.join(120)
+        scheduler = engine.core.scheduler
+        assert scheduler.preempted > 0 and scheduler.prefix.hit_tokens > 0
+        assert _all_blocks_accounted(engine)
+        for c in range(2):
+            plain = off.generate(prompts[c::2], sampling)[0]
+            assert [g.output_ids for g in out[c]] == [g.output_ids for g in plain]
+            for g, p in zip(out[c], plain):
+                assert max(abs(a - b) for a, b in zip(g.logprobs, p.logprobs)) < 1e-5
+    finally:
+        engine.close()
+        off.close()

@@ -726,6 +726,8 @@ class Scheduler:
 
         want = wanted()
         total = sum(n for _, n in want)
+        if total > allocator.num_free and self._held:
+            self._flush()  # finished rows' kept blocks: to the cache, where they can be evicted
         if total > allocator.num_free and self.prefix is not None:
             self.prefix.evict(total - allocator.num_free)
         while total > allocator.num_free and len(rows) > 1:
