@@ -225,7 +225,8 @@ class RolloutEngine:
                 self._turns.notify_all()  # a drain waits for requests to finish
 
     @contextlib.contextmanager
-    def _quiet(self, what: str):
+    def _quiet(self):
+        """No request that has not started is admitted, and those started finish (a drain)."""
         with self._turn():
             scheduler = self.core.scheduler
             if scheduler is not None:
@@ -268,7 +269,7 @@ class RolloutEngine:
         `policy` (`UPDATE_POLICIES`) says what becomes of the rows running: see the module's doc."""
         if policy not in UPDATE_POLICIES:
             raise ValueError(f"policy: must be one of {', '.join(UPDATE_POLICIES)}, got {policy!r}")
-        quiet = self._quiet("UpdateWeights") if policy == "drain" else contextlib.nullcontext()
+        quiet = self._quiet() if policy == "drain" else contextlib.nullcontext()
         with quiet, self._turn():
             try:
                 return self._apply_locked(manifest, buffers, read_back, adopt, owned, policy)
@@ -355,7 +356,7 @@ class RolloutEngine:
         """Free device memory by tag. Released weights lose their values: the engine serves again
         only after ResumeMemory and a full weight update."""
         tags = _check_tags(tags)
-        with self._quiet("ReleaseMemory"), self._turn():
+        with self._quiet(), self._turn():
             if self.core.scheduler is not None:  # requests not started cannot run without the memory
                 self.core.scheduler.fail(EngineUnavailable(f"engine memory released ({', '.join(tags)}) before "
                                                            "this request started: resubmit after ResumeMemory"))

@@ -162,19 +162,27 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
     def GetStatus(self, request, context):
         return self._status()
 
-    def Generate(self, request, context):
+    @contextlib.contextmanager
+    def _metered(self):
+        """A Generate or GenerateStream call's metrics: in flight while it runs, then its outcome
+        ("ok" once the body has set `done[0]`) and, for one that succeeded, its seconds."""
         started = time.perf_counter()
         self.metrics.in_flight.inc()
-        outcome = "error"
+        done = [False]
         try:
-            reply = self._generate(request, context)
-            outcome = "ok"
-            self.metrics.tokens.inc(sum(len(c.output_ids) for c in reply.results))
-            self.metrics.generate_seconds.observe(time.perf_counter() - started)
-            return reply
+            yield done
         finally:
+            if done[0]:
+                self.metrics.generate_seconds.observe(time.perf_counter() - started)
             self.metrics.in_flight.dec()
-            self.metrics.requests.labels(outcome).inc()
+            self.metrics.requests.labels("ok" if done[0] else "error").inc()
+
+    def Generate(self, request, context):
+        with self._metered() as done:
+            reply = self._generate(request, context)
+            self.metrics.tokens.inc(sum(len(c.output_ids) for c in reply.results))
+            done[0] = True
+            return reply
 
     def _prepare(self, request, context):
         """The engine, the request's prompts as ids and its sampling settings (ValueError naming
@@ -212,41 +220,34 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
 
     def GenerateStream(self, request, context):
         """Each completion as it finishes (an engine that cannot stream sends them all at its end)."""
-        started = time.perf_counter()
-        self.metrics.in_flight.inc()
-        outcome = "error"
-        try:
+        with self._metered() as done:
             with self._generating.enter(context, "GenerateStream"), rpc.abort_on(context, _ERRORS):
                 engine, prompts_ids, sampling = self._prepare(request, context)
-                cancelled = lambda: not context.is_active()  # noqa: E731
-                if not getattr(engine, "streams", False):
-                    results, version = engine.generate(prompts_ids, sampling, cancelled=cancelled)
-                    for i, g in enumerate(results):
-                        yield rollout_pb2.GenerateStreamResponse(
-                            index=i, completion=_completion(g, version, request.return_logprobs))
-                    outcome = "ok"
-                    return
-                finished: queue.SimpleQueue = queue.SimpleQueue()
-                call = engine.submit(prompts_ids, sampling, cancelled=cancelled,
-                                     on_result=lambda i, g: finished.put((i, g)),
-                                     **self._serving_options(engine, request))
-                for _ in range(len(call.results)):
-                    while True:
-                        try:
-                            index, g = finished.get(timeout=0.1)
-                            break
-                        except queue.Empty:
-                            if call.finished.is_set() and finished.empty():
-                                call.wait()  # raises what ended it
-                    version = g.versions[0][0] if g.versions else engine.weight_version
+                for index, g, version in self._finishing(engine, request, prompts_ids, sampling, context):
                     self.metrics.tokens.inc(len(g.output_ids))
                     yield rollout_pb2.GenerateStreamResponse(
                         index=index, completion=_completion(g, version, request.return_logprobs))
-                outcome = "ok"
-        finally:
-            self.metrics.generate_seconds.observe(time.perf_counter() - started)
-            self.metrics.in_flight.dec()
-            self.metrics.requests.labels(outcome).inc()
+                done[0] = True
+
+    def _finishing(self, engine, request, prompts_ids, sampling, context):
+        """(index, generation, version of its first token) of each completion as it finishes."""
+        cancelled = lambda: not context.is_active()  # noqa: E731
+        if not getattr(engine, "streams", False):  # all of them at the call's end
+            results, version = engine.generate(prompts_ids, sampling, cancelled=cancelled)
+            yield from ((i, g, version) for i, g in enumerate(results))
+            return
+        finished: queue.SimpleQueue = queue.SimpleQueue()
+        call = engine.submit(prompts_ids, sampling, cancelled=cancelled, on_result=lambda i, g: finished.put((i, g)),
+                             **self._serving_options(engine, request))
+        for _ in range(len(call.results)):
+            while True:
+                try:
+                    index, g = finished.get(timeout=0.1)
+                    break
+                except queue.Empty:
+                    if call.finished.is_set() and finished.empty():
+                        call.wait()  # raises what ended it
+            yield index, g, g.versions[0][0] if g.versions else engine.weight_version
 
     def UpdateWeights(self, request, context):
         with self._waiting.enter(context, "UpdateWeights"), self._update_lock, rpc.abort_on(context, _ERRORS):

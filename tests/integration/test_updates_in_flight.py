@@ -75,18 +75,19 @@ def _check_against(reference: _Reference, completions) -> int:
     return spanning
 
 
-@pytest.mark.parametrize("plane", ["grpc_stream", "shm", "broadcast"])
-def test_streams_run_across_five_pause_updates(tmp_path, model_dir, plane):
+def _streams_across_updates(tmp_path, model_dir, plane: str, policy: str, updates: int):
+    """Streaming clients of one engine while the trainer steps and syncs `updates` times with
+    `policy`; the reference answers of every version, and the streams."""
     with trainer_and_engine(tmp_path / "logs", model_dir) as (trainer, engine):
         reference = _Reference(model_dir, trainer, "cpu", max_new=MAX_NEW)
         reference.record()
         prompts_ids = [reference._engine.tokenizer.encode(p) for p in PROMPTS]
         pool = ThreadPoolExecutor(4)
         syncer = make_syncer(trainer, [engine], pool, plane=plane, timeout_s=30.0)
-        syncer.policy = "pause"
+        syncer.policy = policy
         try:
             with _Streams(engine, prompts_ids) as streams:
-                for _ in range(UPDATES):
+                for _ in range(updates):
                     time.sleep(0.3)  # streams are mid-row
                     trainer.train_step(trainer_pb2.Batch(samples=[SAMPLE]))
                     assert syncer.sync({0}).ok == {0}
@@ -95,6 +96,12 @@ def test_streams_run_across_five_pause_updates(tmp_path, model_dir, plane):
         finally:
             syncer.close()
             pool.shutdown()
+    return reference, streams
+
+
+@pytest.mark.parametrize("plane", ["grpc_stream", "shm", "broadcast"])
+def test_streams_run_across_five_pause_updates(tmp_path, model_dir, plane):
+    reference, streams = _streams_across_updates(tmp_path, model_dir, plane, "pause", UPDATES)
     assert not streams.errors, streams.errors[:3]
     assert len(streams.completions) >= 8 * UPDATES
     spanning = _check_against(reference, streams.completions)
@@ -103,24 +110,7 @@ def test_streams_run_across_five_pause_updates(tmp_path, model_dir, plane):
 
 
 def test_abort_returns_running_rows_at_once_marked_with_their_tokens(tmp_path, model_dir):
-    with trainer_and_engine(tmp_path / "logs", model_dir) as (trainer, engine):
-        reference = _Reference(model_dir, trainer, "cpu", max_new=MAX_NEW)
-        reference.record()
-        prompts_ids = [reference._engine.tokenizer.encode(p) for p in PROMPTS]
-        pool = ThreadPoolExecutor(4)
-        syncer = make_syncer(trainer, [engine], pool, plane="grpc_stream", timeout_s=30.0)
-        syncer.policy = "abort"
-        try:
-            with _Streams(engine, prompts_ids) as streams:
-                for _ in range(2):
-                    time.sleep(0.3)
-                    trainer.train_step(trainer_pb2.Batch(samples=[SAMPLE]))
-                    assert syncer.sync({0}).ok == {0}
-                    reference.record()
-                time.sleep(0.5)
-        finally:
-            syncer.close()
-            pool.shutdown()
+    reference, streams = _streams_across_updates(tmp_path, model_dir, "grpc_stream", "abort", 2)
     assert not streams.errors, streams.errors[:3]
     aborted = [c for _, c in streams.completions if c.finish_reason == "abort"]
     assert aborted and all(len(c.output_ids) < MAX_NEW and len(c.versions) == 1 for c in aborted)

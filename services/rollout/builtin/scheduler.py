@@ -350,12 +350,16 @@ class Scheduler:
         request = row.request
         if request.finished.is_set():
             return
-        n = request.sampling.n
-        index = row.prompt_index * n + row.sample_index
-        result = request.results[index] = Generation(
+        self._deliver(row, Generation(
             prompt_index=row.prompt_index, prompt_ids=list(row.prompt_ids), output_ids=row.ids,
             text=self.tokenizer.decode(row.ids), logprobs=row.logprobs, finish_reason=reason,
-            versions=versions_of(row.runs, len(row.ids)))
+            versions=versions_of(row.runs, len(row.ids))))
+
+    def _deliver(self, row: _Row, result: Generation) -> None:
+        """A row's completion to its request (`on_result`), which is answered with its last."""
+        request = row.request
+        index = row.prompt_index * request.sampling.n + row.sample_index
+        request.results[index] = result
         if request.on_result is not None:
             request.on_result(index, result)
         request.left -= 1
@@ -862,18 +866,10 @@ class Scheduler:
                     text, why = texts[i], "stop" if ids and ids[-1] in stop_ids else "length"
                 # With n = 1 a row's prompt list is its own (`_admit` copied the caller's) and nothing
                 # else keeps it; the n samples of a prompt share theirs, so each result takes a copy.
-                n = request.sampling.n
-                prompt_ids = row.prompt_ids if n == 1 else list(row.prompt_ids)
-                index = row.prompt_index * n + row.sample_index
-                result = request.results[index] = Generation(
+                prompt_ids = row.prompt_ids if request.sampling.n == 1 else list(row.prompt_ids)
+                self._deliver(row, Generation(
                     prompt_index=row.prompt_index, prompt_ids=prompt_ids, output_ids=ids, text=text,
-                    logprobs=logprobs, finish_reason=reason or why, versions=versions[i])
-                if request.on_result is not None:
-                    request.on_result(index, result)
-                request.left -= 1
-                if request.left == 0:
-                    self._live.remove(request)
-                    request.finish()
+                    logprobs=logprobs, finish_reason=reason or why, versions=versions[i]))
             return waited
 
         return hand_back
