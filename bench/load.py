@@ -135,11 +135,15 @@ def run(model_dir: Path, *, clients: int, seconds: float, max_new_tokens: int = 
         for w in workers:
             w.start()
         parts = []
+        loads = []  # the engine's counters when the counted window opens, and at the end
         while len(parts) < len(workers):
             try:
                 parts.append(results.get(timeout=0.2))
             except queues.Empty:
                 peak[0] = max(peak[0], _rss_kib(child.process.pid))
+            if not loads and time.time() >= measure_at:
+                loads.append(stub.GetStatus(rollout_pb2.GetRolloutStatusRequest(), timeout=30).load)
+        loads.append(stub.GetStatus(rollout_pb2.GetRolloutStatusRequest(), timeout=30).load)
         elapsed = max(part[3] for part in parts) - measure_at
         for w in workers:
             w.join()
@@ -152,7 +156,15 @@ def run(model_dir: Path, *, clients: int, seconds: float, max_new_tokens: int = 
     calls = len(latencies)
     quantiles = statistics.quantiles(latencies, n=100) if calls >= 2 else [float("nan")] * 99
     throughput = calls * len(prompts) / elapsed
+    rounds = loads[-1].rounds - loads[0].rounds
+    steps = loads[-1].decode_steps - loads[0].decode_steps
     return {
+        # how the engine's rounds were filled in the counted window: decode steps between host
+        # looks, rows a step, prefill forwards a round
+        "steps_per_round": round(steps / max(rounds, 1), 2),
+        "rows_per_step": round((loads[-1].row_steps - loads[0].row_steps) / max(steps, 1), 1),
+        "prefills_per_round": round((loads[-1].prefills - loads[0].prefills) / max(rounds, 1), 2),
+        "preempted": loads[-1].preempted - loads[0].preempted,
         "bench": "load", "clients": clients, "client_processes": processes, "prompts_per_call": len(prompts),
         "device": device, "seconds": round(elapsed, 2), "calls": calls, "shed": shed,
         "errors": len(errors), "first_errors": errors[:3], "completions_per_s": round(throughput, 1),

@@ -266,7 +266,7 @@ class GetRolloutStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class RolloutStatus(_message.Message):
-    __slots__ = ("configured", "weight_version", "serving", "released", "last_error", "num_parameters", "checkpoint_step")
+    __slots__ = ("configured", "weight_version", "serving", "released", "last_error", "num_parameters", "checkpoint_step", "load")
     CONFIGURED_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     SERVING_FIELD_NUMBER: _ClassVar[int]
@@ -274,6 +274,7 @@ class RolloutStatus(_message.Message):
     LAST_ERROR_FIELD_NUMBER: _ClassVar[int]
     NUM_PARAMETERS_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_STEP_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FIELD_NUMBER: _ClassVar[int]
     configured: bool
     weight_version: int
     serving: bool
@@ -281,4 +282,29 @@ class RolloutStatus(_message.Message):
     last_error: str
     num_parameters: int
     checkpoint_step: int
-    def __init__(self, configured: _Optional[bool] = ..., weight_version: _Optional[int] = ..., serving: _Optional[bool] = ..., released: _Optional[_Iterable[str]] = ..., last_error: _Optional[str] = ..., num_parameters: _Optional[int] = ..., checkpoint_step: _Optional[int] = ...) -> None: ...
+    load: EngineLoad
+    def __init__(self, configured: _Optional[bool] = ..., weight_version: _Optional[int] = ..., serving: _Optional[bool] = ..., released: _Optional[_Iterable[str]] = ..., last_error: _Optional[str] = ..., num_parameters: _Optional[int] = ..., checkpoint_step: _Optional[int] = ..., load: _Optional[_Union[EngineLoad, _Mapping]] = ...) -> None: ...
+
+class EngineLoad(_message.Message):
+    __slots__ = ("rows_running", "rows_waiting", "requests_live", "rounds", "decode_steps", "row_steps", "prefills", "preempted", "prefix_lookup_tokens", "prefix_hit_tokens")
+    ROWS_RUNNING_FIELD_NUMBER: _ClassVar[int]
+    ROWS_WAITING_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_LIVE_FIELD_NUMBER: _ClassVar[int]
+    ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_STEPS_FIELD_NUMBER: _ClassVar[int]
+    ROW_STEPS_FIELD_NUMBER: _ClassVar[int]
+    PREFILLS_FIELD_NUMBER: _ClassVar[int]
+    PREEMPTED_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_LOOKUP_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    rows_running: int
+    rows_waiting: int
+    requests_live: int
+    rounds: int
+    decode_steps: int
+    row_steps: int
+    prefills: int
+    preempted: int
+    prefix_lookup_tokens: int
+    prefix_hit_tokens: int
+    def __init__(self, rows_running: _Optional[int] = ..., rows_waiting: _Optional[int] = ..., requests_live: _Optional[int] = ..., rounds: _Optional[int] = ..., decode_steps: _Optional[int] = ..., row_steps: _Optional[int] = ..., prefills: _Optional[int] = ..., preempted: _Optional[int] = ..., prefix_lookup_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ...) -> None: ...

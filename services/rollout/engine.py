@@ -31,7 +31,7 @@ from services.models.checkpoint import checkpoint_step, load_config
 from services.models.decoder import DecoderLM, init_weights, torch_dtype
 from services.rollout.builtin.core import CoreSettings, GenerationCore
 from services.rollout.builtin.scheduler import Request
-from services.rollout.types import Generation, Sampling
+from services.rollout.types import EngineLoad, Generation, Sampling
 from services.weights import capabilities
 from services.weights.apply import adoption_plan, load_buckets_into, named_weights
 from services.weights.buckets import Manifest, dtype_name, pack_bucket, parse_dtype, plan_buckets
@@ -176,6 +176,19 @@ class RolloutEngine:
         request = self.submit(prompts_ids, sampling, cancelled=cancelled, on_result=on_result, priority=priority)
         results = request.wait()
         return results, min((g.versions[0][0] for g in results if g.versions), default=self.weight_version)
+
+    def load(self) -> EngineLoad:
+        """The running batch now and the scheduler's counters (zeros before the first request)."""
+        with self._turn():
+            s = self.core.scheduler
+            if s is None:
+                return EngineLoad()
+            prefix = s.prefix
+            return EngineLoad(rows_running=s.rows_running, rows_waiting=s.rows_waiting, requests_live=len(s.live()),
+                              rounds=s.rounds_run, decode_steps=s.steps_run, row_steps=s.row_steps,
+                              prefills=s.prefills_run, preempted=s.preempted,
+                              prefix_lookup_tokens=prefix.lookup_tokens if prefix else 0,
+                              prefix_hit_tokens=prefix.hit_tokens if prefix else 0)
 
     def _check_serving_locked(self) -> None:
         if self.released:

@@ -8,6 +8,7 @@ the trainer into staging buffers, verifies them, and only then swaps them in.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import queue
 import threading
 import time
@@ -126,6 +127,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
             last_error=e.last_error,
             num_parameters=e.num_parameters,
             checkpoint_step=e.checkpoint_step,
+            load=rollout_pb2.EngineLoad(**dataclasses.asdict(e.load())) if hasattr(e, "load") else None,
         )
 
     def Configure(self, request, context):

@@ -72,6 +72,23 @@ class Generation:
     versions: tuple[tuple[int, int], ...] = ()
 
 
+@dataclass(frozen=True)
+class EngineLoad:
+    """What an engine's running batch holds now, and counters over its life (`GetStatus`): the
+    queue depth a scaler or a coordinator reads, and how well rounds are filled."""
+
+    rows_running: int = 0
+    rows_waiting: int = 0  # admitted to no batch yet (preempted rows included)
+    requests_live: int = 0
+    rounds: int = 0  # host looks at the batch
+    decode_steps: int = 0
+    row_steps: int = 0  # rows in the batch summed over decode steps
+    prefills: int = 0  # prefill forwards
+    preempted: int = 0  # rows preempted
+    prefix_lookup_tokens: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_hit_tokens: int = 0  # of those, found there
+
+
 @dataclass(frozen=True, eq=False)
 class PackedPrompts:
     """The prompts' ids one after another in one int64 array: prompt i is

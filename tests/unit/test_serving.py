@@ -90,6 +90,42 @@ def check_concurrent_callers(tiny_model_dir, device: str) -> None:
     assert all(r[0].versions == ((0, SEEDED.max_new_tokens),) for r in results)
 
 
+def test_callers_arriving_while_rows_run_join_them_and_keep_their_own_tokens(tiny_model_dir):
+    """Clients that send a request as soon as their last one ends, having started a round apart:
+    the pool (made for the first caller's one row) grows for them and they run side by side. They
+    finish at different steps; with checks every 8 steps (a GPU's default) rows that reach their
+    limit inside a round sit done until it ends, and come back with exactly their own tokens."""
+    engine = _engine(tiny_model_dir, max_batch_size=32)
+    engine.core.check_every = 8
+    sampling = Sampling(temperature=0.0, max_new_tokens=12, ignore_eos=True)
+    clients, turns = 8, 4
+    outputs: dict[int, list] = {i: [] for i in range(clients)}
+
+    def client(i):
+        for t in range(turns):
+            outputs[i].append(engine.generate([_prompt(i * turns + t)], sampling)[0][0])
+
+    def rounds_run() -> int:
+        return engine.core.scheduler.rounds_run if engine.core.scheduler is not None else 0
+
+    threads = []
+    for i in range(clients):
+        threads.append(threading.Thread(target=client, args=(i,)))
+        threads[-1].start()
+        start, deadline = rounds_run(), time.monotonic() + 30
+        while rounds_run() < start + 1 and time.monotonic() < deadline:
+            time.sleep(0.0005)
+    for t in threads:
+        t.join(120)
+    peak = engine.core.scheduler.peak_rows
+    engine.close()
+    alone = _solo(tiny_model_dir, [_prompt(k) for k in range(clients * turns)], sampling)
+    got = [g for i in range(clients) for g in outputs[i]]
+    assert [g.output_ids for g in got] == [a.output_ids for a in alone]
+    assert all(g.versions == ((0, 12),) and g.finish_reason == "length" for g in got)
+    assert peak > 2
+
+
 def test_each_completion_is_reported_as_it_finishes(tiny_model_dir):
     """A request's completions come back one by one: the first is reported while others of the
     same request are still generating, and every index comes exactly once."""

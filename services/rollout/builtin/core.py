@@ -111,11 +111,12 @@ class GenerationCore:
 
     def round(self) -> None:
         """One round of the running batch (`Scheduler.round`). On a CPU, the pool grows first if
-        it is too small for what waits and no row runs."""
-        if not self.on_gpu and not self.scheduler.running:
-            live = self.scheduler.live()
-            if live:
-                self._ensure(max(r.longest for r in live), sum(r.unadmitted for r in live))
+        it is too small for the rows running and waiting (between rounds block ids stay valid, and
+        each step reads the pool afresh: no captured addresses)."""
+        scheduler = self.scheduler
+        if not self.on_gpu and scheduler.rows_waiting:
+            longest = max(r.longest for r in scheduler.live())
+            self._ensure(longest, scheduler.rows_running + scheduler.rows_waiting)
         started = time.perf_counter()
         with torch.inference_mode():
             self.scheduler.round()

@@ -263,7 +263,11 @@ class Scheduler:
         self._epoch_rows = 0  # rows the running class admitted since it was picked
         self._counters = _Counters()
         self._collections: _Collections | None = None
-        self.rounds_run = 0  # over the scheduler's life
+        # Over the scheduler's life (what `RolloutEngine.load` reports):
+        self.rounds_run = 0
+        self.steps_run = 0  # decode steps
+        self.row_steps = 0  # rows in the batch, summed over decode steps (over steps_run: rows a step)
+        self.prefills_run = 0  # prefill forwards (each admits one or more prompts)
         self.peak_rows = 0  # the most rows in the batch at once, over its life
         self._held: dict[int, list[int]] = {}  # finished rows' blocks kept until their outputs are cached
         self.preempted = 0  # rows preempted, over its life
@@ -302,6 +306,14 @@ class Scheduler:
     def running(self) -> bool:
         """Rows are in the batch, or their results still on the way to their requests."""
         return bool(self._rows or self._pending)
+
+    @property
+    def rows_running(self) -> int:
+        return len(self._rows)
+
+    @property
+    def rows_waiting(self) -> int:
+        return self._waiting_rows
 
     def live(self) -> list[Request]:
         return list(self._live)
@@ -440,6 +452,8 @@ class Scheduler:
         admitted_at = time.perf_counter()
         c.prefill_s += admitted_at - started
         c.prefills += admitted
+        if admitted:
+            self.prefills_run += 1
         self._made += [len(row.ids) + 1 for row in rows[len(self._made):]]  # (a resumed row: its outputs too)
         made = self._made
         c.max_rows = max(c.max_rows, len(rows))
@@ -455,6 +469,8 @@ class Scheduler:
         if todo > 0:
             self.runner.decode(len(rows), todo, self._mode)
             c.decode_steps += todo
+            self.steps_run += todo
+            self.row_steps += todo * len(rows)
         for work in self._pending:  # while those steps run
             spent, waited = _timed(work)
             c.host_s += spent - waited
@@ -471,7 +487,7 @@ class Scheduler:
             # Nothing but its length limit ends a row, so the host knows which rows these steps
             # finish without reading anything: their outputs are queued to be copied out after
             # the steps, and waited for only when they are handed back.
-            stopped, made = {}, [m + todo for m in made]
+            stopped, made = {}, [min(m + todo, max_new) for m in made]
             finished = [k for k, m in enumerate(made) if m >= max_new]
             if not finished:
                 # None finishes: the rows' outputs so far are copied out after these steps and
@@ -539,12 +555,17 @@ class Scheduler:
         when the first row gets there (at most MAX_UNCHECKED_STEPS on, for a cancel to be seen,
         and that look reads nothing: `run` only waits for the round before), rather than every
         `check_every` steps, each look a sync that leaves the device idle. The round before that
-        one stops LAST_ROUND_STEPS short of it."""
+        one stops LAST_ROUND_STEPS short of it. Rows that arrived at different times finish at
+        different steps: a round is still at least `check_every` steps (those that finish early
+        sit done in their slots until it ends), or rounds of a step or two, each with a host look
+        and a prefill, would leave the device idle most of the time."""
         left = [max_new - m for m in made]
+        longest = max(left, default=0)
         if can_stop:
-            return min(self.check_every, max(left, default=0))
+            return min(self.check_every, longest)
         first = min((n for n in left if n > 0), default=0)
-        return min(MAX_UNCHECKED_STEPS, first if first <= LAST_ROUND_STEPS else max(1, first - LAST_ROUND_STEPS))
+        steps = first if first <= LAST_ROUND_STEPS else max(1, first - LAST_ROUND_STEPS)
+        return min(MAX_UNCHECKED_STEPS, max(steps, min(self.check_every, longest)))
 
     def _admit(self) -> int:
         """Prefill as many waiting prompts as slots, blocks and the prefill budget allow."""
