@@ -48,7 +48,7 @@ class SchedulerConfig(_message.Message):
     def __init__(self, kind: _Optional[str] = ..., warmup_steps: _Optional[int] = ..., decay_steps: _Optional[int] = ..., min_lr_ratio: _Optional[float] = ...) -> None: ...
 
 class LossConfig(_message.Message):
-    __slots__ = ("clip_eps_low", "clip_eps_high", "kl_coef", "kl_estimator", "entropy_coef", "loss_agg", "value_clip")
+    __slots__ = ("clip_eps_low", "clip_eps_high", "kl_coef", "kl_estimator", "entropy_coef", "loss_agg", "value_clip", "correction", "is_cap")
     CLIP_EPS_LOW_FIELD_NUMBER: _ClassVar[int]
     CLIP_EPS_HIGH_FIELD_NUMBER: _ClassVar[int]
     KL_COEF_FIELD_NUMBER: _ClassVar[int]
@@ -56,6 +56,8 @@ class LossConfig(_message.Message):
     ENTROPY_COEF_FIELD_NUMBER: _ClassVar[int]
     LOSS_AGG_FIELD_NUMBER: _ClassVar[int]
     VALUE_CLIP_FIELD_NUMBER: _ClassVar[int]
+    CORRECTION_FIELD_NUMBER: _ClassVar[int]
+    IS_CAP_FIELD_NUMBER: _ClassVar[int]
     clip_eps_low: float
     clip_eps_high: float
     kl_coef: float
@@ -63,7 +65,9 @@ class LossConfig(_message.Message):
     entropy_coef: float
     loss_agg: str
     value_clip: float
-    def __init__(self, clip_eps_low: _Optional[float] = ..., clip_eps_high: _Optional[float] = ..., kl_coef: _Optional[float] = ..., kl_estimator: _Optional[str] = ..., entropy_coef: _Optional[float] = ..., loss_agg: _Optional[str] = ..., value_clip: _Optional[float] = ...) -> None: ...
+    correction: str
+    is_cap: float
+    def __init__(self, clip_eps_low: _Optional[float] = ..., clip_eps_high: _Optional[float] = ..., kl_coef: _Optional[float] = ..., kl_estimator: _Optional[str] = ..., entropy_coef: _Optional[float] = ..., loss_agg: _Optional[str] = ..., value_clip: _Optional[float] = ..., correction: _Optional[str] = ..., is_cap: _Optional[float] = ...) -> None: ...
 
 class TrainerConfig(_message.Message):
     __slots__ = ("model_path", "backend", "device", "dtype", "seed", "optimizer", "scheduler", "loss", "tags", "eval_only", "offload", "colocate", "micro_batch_size", "bucket_bytes", "master_weights", "ranks", "tensor_parallel", "pipeline_parallel", "role", "compile")

@@ -254,12 +254,14 @@ class RolloutClient(_Client):
             return self._stub.GetStatus(rollout_pb2.GetRolloutStatusRequest(), timeout=timeout_s)
 
     def generate(
-        self, prompts: list[str], sampling: rollout_pb2.SamplingParams, *, return_logprobs: bool = True
+        self, prompts: list[str], sampling: rollout_pb2.SamplingParams, *, return_logprobs: bool = True,
+        priority: str = "train",
     ) -> list[Completion]:
         request = rollout_pb2.GenerateRequest(
             prompts=prompts,
             sampling=sampling,
             return_logprobs=return_logprobs,
+            priority=rollout_pb2.PRIORITY_EVAL if priority == "eval" else rollout_pb2.PRIORITY_TRAIN,
         )
         with self._call("Generate"):
             reply = self._stub.Generate(request, timeout=self.deadline_s)

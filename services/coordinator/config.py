@@ -41,6 +41,7 @@ RewardKind = Literal["exact_match", "math_answer", "math_verify", "countdown", "
 AdvantageKind = Literal["grpo", "dr_grpo", "reinforce_pp", "reinforce_pp_baseline", "ppo"]
 KlEstimator = Literal["k1", "k2", "k3", "low_var_kl"]
 LossAgg = Literal["token_mean", "seq_mean_token_sum", "seq_mean_token_mean"]
+Correction = Literal["none", "tis", "decoupled"]
 SchedulerKind = Literal["constant", "linear", "cosine"]
 Tag = Literal["ref", "old_actor", "teacher"]
 Plane = Literal["auto", "grpc_stream", "broadcast", "shm", "cuda_ipc"]
@@ -306,6 +307,38 @@ class EvalConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class AsyncConfig:
+    """Asynchronous RL: the engines generate the coming steps' samples while the trainer trains on
+    finished ones (docs/async.md).
+
+    Attributes:
+        max_staleness: how many weight versions a trained sample may be behind the trainer, for
+            its oldest token; 0 is the synchronous loop. Generation for a step starts only once
+            the trainer is that close, so engines run at most max_staleness steps ahead.
+        correction: off-policy correction against the engine's logprobs: tis (truncated
+            importance sampling, as verl and slime), decoupled (decoupled PPO, as AReaL) or none
+            (PPO's ratio against the engine's logprobs).
+        tis_cap: tis: importance weights are truncated at this; decoupled: tokens whose weight
+            is above it are left out (0: none left out).
+        partial: true: a weight update reaches engines while they generate (the pause policy):
+            rows go on under the new weights, their tokens keeping the versions that sampled
+            them; false: updates wait for the requests running to finish (drain), so each
+            sample comes from one version.
+    """
+
+    max_staleness: int = 1
+    correction: Correction = "tis"
+    tis_cap: float = 2.0
+    partial: bool = True
+
+    def __post_init__(self) -> None:
+        _check(0 <= self.max_staleness <= 64, "max_staleness", f"must be in [0, 64], got {self.max_staleness}")
+        if self.correction == "tis":
+            _check(self.tis_cap > 0, "tis_cap", f"must be > 0 for correction tis, got {self.tis_cap}")
+        _check(self.tis_cap >= 0, "tis_cap", f"must be >= 0, got {self.tis_cap}")
+
+
+@dataclass(frozen=True, kw_only=True)
 class AlgorithmConfig:
     """The RL objective: advantage estimator and loss terms.
 
@@ -324,6 +357,7 @@ class AlgorithmConfig:
         gamma: ppo: discount per token in GAE, in [0, 1].
         lam: ppo: GAE's lambda (bias-variance trade-off of the advantage), in [0, 1].
         whiten_advantages: ppo: scale the token advantages of each step to mean 0, std 1.
+        async: asynchronous RL (see AsyncConfig); absent: the synchronous loop.
     """
 
     advantage: AdvantageKind = "grpo"
@@ -338,6 +372,7 @@ class AlgorithmConfig:
     gamma: float = 1.0
     lam: float = 0.95
     whiten_advantages: bool = True
+    async_: AsyncConfig | None = None
 
     def __post_init__(self) -> None:
         _check(self.kl_coef >= 0, "kl_coef", f"must be >= 0, got {self.kl_coef}")
@@ -350,6 +385,11 @@ class AlgorithmConfig:
     @property
     def needs_ref(self) -> bool:
         return self.kl_coef > 0
+
+    @property
+    def max_staleness(self) -> int:
+        """Versions a trained sample may lag the trainer by (0: the synchronous loop)."""
+        return self.async_.max_staleness if self.async_ is not None else 0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -672,6 +712,12 @@ class JobConfig:
             if critic_sched.kind != "constant":
                 _check(critic_sched.warmup_steps < critic_sched.total_decay_steps(self.num_rollout),
                        "critic.scheduler.warmup_steps", f"must be < the decay steps of a {critic_sched.kind} scheduler")
+        if self.algorithm.max_staleness > 0:
+            _check(not self.trainer.colocate, "algorithm.async",
+                   "asynchronous RL keeps engines generating while the trainer trains: it needs separate "
+                   "devices (trainer.colocate shares one; remove one of them)")
+            _check(not self.needs_critic, "algorithm.async",
+                   "asynchronous RL is not built for PPO's critic yet (use a group baseline: grpo, dr_grpo, ...)")
         if advantage in GROUP_BASELINES:
             _check(
                 self.rollout.samples_per_prompt >= 2, "rollout.samples_per_prompt",

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import inspect
+import keyword
 import math
 import os
 import re
@@ -139,17 +140,17 @@ def _build(cls: type, value: Any, path: str, base_dir: Path, base: Any, expected
     if not isinstance(value, dict):
         raise ConfigError(f"{path or 'job config'}: expected {expected}, got {_describe(value)}")
     hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    fields = {key_of(f.name): f for f in dataclasses.fields(cls) if f.init}
     for key in value:
         if key not in fields:
             suggestion = _suggest(str(key), tuple(fields))
             raise ConfigError(f"unknown key {_join(path, str(key))!r}{suggestion}")
     kwargs: dict[str, Any] = {}
-    for name, f in fields.items():
-        sub_path = _join(path, name)
-        if name in value:
+    for key, f in fields.items():
+        sub_path, name = _join(path, key), f.name
+        if key in value:
             inner_default = getattr(base, name) if base is not None else _field_default(f)
-            kwargs[name] = _convert(hints[name], value[name], sub_path, base_dir, inner_default)
+            kwargs[name] = _convert(hints[name], value[key], sub_path, base_dir, inner_default)
         elif base is not None:
             kwargs[name] = getattr(base, name)
         elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
@@ -158,6 +159,12 @@ def _build(cls: type, value: Any, path: str, base_dir: Path, base: Any, expected
         return cls(**kwargs)
     except FieldError as e:
         raise ConfigError(f"{_join(path, e.field)}: {e.reason}") from e
+
+
+def key_of(name: str) -> str:
+    """A field's key in the config: its name, less the trailing underscore of a name that would
+    be a Python keyword (`async_` is `async`)."""
+    return name[:-1] if name.endswith("_") and keyword.iskeyword(name[:-1]) else name
 
 
 def _field_default(f: dataclasses.Field) -> Any:
@@ -214,7 +221,7 @@ def _type_name(tp: Any) -> str:
 def to_dict(cfg: Any) -> Any:
     """Plain data (dicts, lists, str, numbers, None) for a config tree; paths become absolute strings."""
     if dataclasses.is_dataclass(cfg) and not isinstance(cfg, type):
-        return {f.name: to_dict(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)}
+        return {key_of(f.name): to_dict(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)}
     if isinstance(cfg, Path):
         return str(cfg.absolute())
     if isinstance(cfg, list | tuple):
@@ -261,14 +268,15 @@ def _object_schema(cls: type, defs: dict[str, Any]) -> dict[str, Any]:
     properties: dict[str, Any] = {}
     required: list[str] = []
     for f in dataclasses.fields(cls):
+        key = key_of(f.name)
         prop = _schema(hints[f.name], defs)
-        if f.name in docs:
-            prop = {**prop, "description": docs[f.name]}
+        if key in docs:
+            prop = {**prop, "description": docs[key]}
         if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-            required.append(f.name)
+            required.append(key)
         else:
             prop["default"] = to_dict(_field_default(f))
-        properties[f.name] = prop
+        properties[key] = prop
     summary = (inspect.getdoc(cls) or "").split("\n\n")[0]
     return {
         "type": "object", "description": summary, "properties": properties,

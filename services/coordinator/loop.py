@@ -13,13 +13,14 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Iterator
 
 from services import rpc
 from services.api import rollout_pb2, trainer_pb2
 from services.coordinator.clients import Completion, PeerError, RolloutClient, TrainerClient, TrainerGroup
 from services.coordinator.config import JobConfig, OptimizerConfig, SchedulerConfig
 from services.coordinator.datasets import Example, PromptSampler, load_examples, open_dataset
+from services.coordinator.pipeline import AsyncSteps, Rollout
 from services.coordinator.rewards import build_reward
 from services.coordinator.weight_sync import WeightSyncer
 from services.models.tokenizer import load_tokenizer
@@ -96,6 +97,9 @@ def trainer_config(job: JobConfig) -> trainer_pb2.TrainerConfig:
             kl_estimator=a.kl_estimator,
             entropy_coef=a.entropy_coef,
             loss_agg=a.loss_agg,
+            # (the synchronous loop, max_staleness 0, trains on-policy: no correction)
+            correction=a.async_.correction if a.max_staleness > 0 else "none",
+            is_cap=a.async_.tis_cap if a.max_staleness > 0 else 0.0,
         ),
         tags=job.trainer_tags,
         eval_only=job.eval_only,
@@ -204,7 +208,7 @@ class RLLoop:
                 trainer=self.fleet.trainers[0], engines=self.fleet.engines,
                 trainer_caps=self.fleet.trainers[0].capabilities, engine_caps=[e.capabilities for e in self.fleet.engines],
                 forced=sync.plane, exact=exact, timeout_s=float(sync.timeout_s), token=self.fleet.trainer_token,
-                pool=self._pool,
+                pool=self._pool, policy=self._update_policy(),
             )
             self.emit("log", 0, {"message": f"weight planes: {dict(zip((e.address for e in self.fleet.engines), self.syncer.planes))}"})
             if self.job.trainer.offload:  # an offloaded trainer sleeps whenever it is not training
@@ -213,6 +217,14 @@ class RLLoop:
         else:
             self.weights_version, self.checkpoint_step = status.weight_version, status.checkpoint_step
             self.emit("log", 0, {"message": "no trainer: engines loaded the checkpoint themselves"})
+
+    def _update_policy(self) -> str:
+        """What engines do with the rows they are generating when new weights come: synchronous
+        steps sync between generations (drain: nothing runs); asynchronous ones while the next
+        step's samples generate (pause: rows go on under the new weights, their tokens tagged by
+        version; or, with async.partial false, drain: the update waits for them)."""
+        a = self.job.algorithm.async_
+        return "pause" if self.job.algorithm.max_staleness > 0 and a.partial else "drain"
 
     def _setup_critics(self) -> None:
         want = self.job.critic.num_critics
@@ -310,8 +322,10 @@ class RLLoop:
                 self.emit("log", 0, {"message": f"engine {e.peer} left the pool: {e}"})
 
     # ---- generation --------------------------------------------------------------------------
-    def generate(self, prompts: list[str], sampling: rollout_pb2.SamplingParams) -> list[Completion]:
-        """Spread prompts over the engines in the pool; an engine that fails is retried elsewhere."""
+    def generate(self, prompts: list[str], sampling: rollout_pb2.SamplingParams, *,
+                 priority: str = "train") -> list[Completion]:
+        """Spread prompts over the engines in the pool; an engine that fails is retried elsewhere.
+        `priority` eval: the engines admit these rows ahead of waiting train rows."""
         pending = list(range(len(prompts)))
         results: dict[int, list[Completion]] = {}
         while pending:
@@ -320,7 +334,7 @@ class RLLoop:
                 pool = self._wait_for_an_engine()
             shards = [pending[k :: len(pool)] for k in range(len(pool))]
             futures = {
-                engine: self._pool.submit(self._generate_on, engine, [prompts[i] for i in shard], sampling)
+                engine: self._pool.submit(self._generate_on, engine, [prompts[i] for i in shard], sampling, priority)
                 for engine, shard in zip(pool, shards)
                 if shard
             }
@@ -350,10 +364,10 @@ class RLLoop:
                 raise RuntimeError("no rollout engine left in the pool")
             time.sleep(poll_s)
 
-    def _generate_on(self, engine: int, prompts: list[str], sampling) -> list[list[Completion]]:
+    def _generate_on(self, engine: int, prompts: list[str], sampling, priority: str) -> list[list[Completion]]:
         client = self.fleet.engines[engine]
         n = max(1, sampling.n)
-        flat = client.generate(prompts, sampling)
+        flat = client.generate(prompts, sampling, priority=priority)
         return [flat[i * n : (i + 1) * n] for i in range(len(prompts))]
 
     def _prompt_text(self, example: Example) -> str:
@@ -368,7 +382,7 @@ class RLLoop:
         for ds, examples, reward in self._eval_sets:
             started = time.perf_counter()
             prompts = [self._prompt_text(e) for e in examples]
-            completions = self.generate(prompts, sampling_params(ds.sampling, seed=self.job.seed))
+            completions = self.generate(prompts, sampling_params(ds.sampling, seed=self.job.seed), priority="eval")
             rewards = [reward(c.text, e.answer, p, e.metadata) for c, e, p in zip(completions, examples, prompts)]
             scores[ds.name] = sum(rewards) / len(rewards)
             self.emit(
@@ -386,18 +400,31 @@ class RLLoop:
 
     # ---- training ----------------------------------------------------------------------------
     def rl_step(self, step: int, examples: list[Example]) -> dict[str, float]:
+        """One synchronous step: generate the batch with the current weights, then train on it."""
+        if len(self.fleet.in_pool) < len(self.fleet.engines):
+            self.recover_engines(step)
+        return self.learn(self.rollout(step, examples))
+
+    def rollout(self, step: int, examples: list[Example]) -> Rollout:
+        """Step `step`'s samples: `samples_per_prompt` completions of each example's prompt."""
+        n = self.job.rollout.samples_per_prompt
+        version = self.weights_version
+        t0 = time.perf_counter()
+        sampling = sampling_params(self.job.rollout.sampling, n=n, seed=self._rng.randrange(2**31))
+        prompts = [self._prompt_text(e) for e in examples]
+        completions = self.generate(prompts, sampling)
+        return Rollout(step, examples, prompts, completions, time.perf_counter() - t0, version)
+
+    def learn(self, rollout: Rollout, extra: dict[str, float] | None = None) -> dict[str, float]:
+        """Rewards, advantages, a train step and a weight sync on one step's samples; the step's
+        metrics (with `extra`'s) are emitted and returned."""
         import torch
 
         from services.coordinator.advantages import compute_advantages
 
         job, algo = self.job, self.job.algorithm
-        if len(self.fleet.in_pool) < len(self.fleet.engines):
-            self.recover_engines(step)
+        step, examples, prompts, completions = rollout.step, rollout.examples, rollout.prompts, rollout.completions
         n = job.rollout.samples_per_prompt
-        t0 = time.perf_counter()
-        sampling = sampling_params(job.rollout.sampling, n=n, seed=self._rng.randrange(2**31))
-        prompts = [self._prompt_text(e) for e in examples]
-        completions = self.generate(prompts, sampling)
         t1 = time.perf_counter()
         rewards = torch.tensor(
             [self._reward(c.text, e.answer, p, e.metadata)
@@ -443,7 +470,7 @@ class RLLoop:
             "solved_groups": float((rewards.max(dim=1).values > 0).float().mean()),
             "response_len_mean": sum(lengths) / len(lengths),
             "truncated_frac": sum(c.finish_reason == "length" for c in completions) / len(completions),
-            "generate_s": t1 - t0,
+            "generate_s": rollout.generate_s,
             "train_s": t2 - t1,
             "sync_s": sync["seconds"],
             "sync_from_host": float(sync["source"] == "host"),
@@ -451,6 +478,7 @@ class RLLoop:
             **({"kl_reward_mean": float(kl_reward.mean())} if kl_reward is not None else {}),
             "weights_version": float(self.weights_version),
             **critic_metrics,
+            **(extra or {}),
             **{f"train/{k}": v for k, v in train_metrics.items()},
         }
         self.emit("step", step, metrics)
@@ -581,14 +609,17 @@ class RLLoop:
             sampler.skip_batches(first - 1)  # the batches the steps up to the checkpoint drew, unread
             for _ in range(1, first):  # and their sampling seeds
                 self._rng.randrange(2**31)
-            for step in range(first, job.num_rollout + 1):
-                self._check_cancelled()
-                self.rl_step(step, sampler.next_batch())
-                last = step == job.num_rollout
-                if job.eval.every and step % job.eval.every == 0 and not last:
-                    scores = self.evaluate(step)
-                if job.checkpoint.every and (step % job.checkpoint.every == 0 or last):
-                    self.save_checkpoint(step)
+            steps = self._async_steps(sampler, first) if job.algorithm.max_staleness > 0 else None
+            try:
+                for step, _ in steps or self._sync_steps(sampler, first):  # each trained, its weights synced
+                    last = step == job.num_rollout
+                    if job.eval.every and step % job.eval.every == 0 and not last:
+                        scores = self.evaluate(step)
+                    if job.checkpoint.every and (step % job.checkpoint.every == 0 or last):
+                        self.save_checkpoint(step)
+            finally:
+                if steps is not None:
+                    steps.close()
             scores = self.evaluate(step)
         primary = job.eval.datasets[0].name
         return {
@@ -602,6 +633,28 @@ class RLLoop:
             "weights_version": self.weights_version,
             "wall_s": time.time() - started,
         }
+
+    def _sync_steps(self, sampler: PromptSampler, first: int) -> Iterator[tuple[int, dict]]:
+        for step in range(first, self.job.num_rollout + 1):
+            self._check_cancelled()
+            yield step, self.rl_step(step, sampler.next_batch())
+
+    def _async_steps(self, sampler: PromptSampler, first: int) -> AsyncSteps:
+        """Steps whose samples the engines generate while earlier steps train (`pipeline`)."""
+        def learn(rollout: Rollout, extra: dict) -> dict:
+            if len(self.fleet.in_pool) < len(self.fleet.engines):
+                self.recover_engines(rollout.step)
+            return self.learn(rollout, extra)
+
+        def dropped(step: int, count: int) -> None:
+            self.emit("log", step, {"message": f"{count} samples more than {self.job.algorithm.max_staleness} "
+                                               "versions behind the trainer were dropped"})
+
+        return AsyncSteps(first=first, last=self.job.num_rollout, max_staleness=self.job.algorithm.max_staleness,
+                          group_size=self.job.rollout.samples_per_prompt,
+                          produce=lambda step: self.rollout(step, sampler.next_batch()), learn=learn,
+                          version=lambda: self.weights_version, check_cancelled=self._check_cancelled,
+                          on_drop=dropped)
 
     def _resume(self) -> dict[str, float | None]:
         """Load the checkpoint into every trainer and the engines; the evals before training are

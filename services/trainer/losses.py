@@ -15,6 +15,7 @@ import torch
 
 KL_ESTIMATORS = ("k1", "k2", "k3", "low_var_kl")
 LOSS_AGGREGATIONS = ("token_mean", "seq_mean_token_sum", "seq_mean_token_mean")
+CORRECTIONS = ("none", "tis", "decoupled")  # off-policy corrections (`off_policy_weights`)
 _LOG_RATIO_CLAMP = 20.0  # exp(20) ~ 5e8: large enough to never bind in healthy training
 _LOW_VAR_KL_CLAMP = 10.0
 
@@ -111,12 +112,15 @@ def policy_loss(
     clip_eps_low: float,
     clip_eps_high: float,
     agg: str = "token_mean",
+    token_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO-clip policy loss: mean of -min(ratio * A, clip(ratio, 1 - low, 1 + high) * A).
 
-    advantages is [B, T] or [B] (one per sequence, spread over its tokens). Returns the scalar
-    loss and detached scalar metrics over counted tokens: clip_frac (share of tokens where the
-    clipped term binds), approx_kl (mean old - new logprob, k1 of KL(old || new)) and ratio_mean.
+    advantages is [B, T] or [B] (one per sequence, spread over its tokens). `token_weights`
+    [B, T] (detached), where given, scale each token's term (off-policy importance weights,
+    `off_policy_weights`). Returns the scalar loss and detached scalar metrics over counted
+    tokens: clip_frac (share of tokens where the clipped term binds), approx_kl (mean old - new
+    logprob, k1 of KL(old || new)) and ratio_mean.
     """
     _same_shape(old_logprobs, logprobs.shape, "old_logprobs", "logprobs")
     if advantages.dim() == 1:
@@ -127,6 +131,9 @@ def policy_loss(
     unclipped = -advantages * ratio
     clipped = -advantages * ratio.clamp(1 - clip_eps_low, 1 + clip_eps_high)
     loss_mat = torch.maximum(unclipped, clipped)  # the pessimistic (larger) loss
+    if token_weights is not None:
+        _same_shape(token_weights, logprobs.shape, "token_weights", "logprobs")
+        loss_mat = loss_mat * token_weights
     loss = aggregate(loss_mat, mask, agg)
     with torch.no_grad():
         metrics = {
@@ -135,6 +142,43 @@ def policy_loss(
             "ratio_mean": _masked_mean(ratio, mask),
         }
     return loss, metrics
+
+
+def off_policy_weights(
+    proximal: torch.Tensor,
+    behaviour: torch.Tensor,
+    mask: torch.Tensor,
+    correction: str,
+    cap: float,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Importance weights w = pi_prox / pi_behav per token [B, T] (detached), for samples drawn
+    by older weights (`behaviour`: the engine's logprobs of the tokens it sampled) and trained
+    against the trainer's weights before this step (`proximal`). PPO's ratio is then taken
+    against `proximal`, and each token's loss is scaled by:
+
+    - `tis` (truncated importance sampling, as verl and slime): min(w, cap).
+    - `decoupled` (decoupled PPO, as AReaL): w, and 0 for a token whose w exceeds `cap` (cap <= 0:
+      no cap): such a token is left out rather than counted at the cap.
+
+    Metrics over counted tokens: is_weight_mean, is_weight_max (of w before the cap), and
+    is_capped_frac (share of tokens the cap changed).
+    """
+    if correction not in CORRECTIONS[1:]:
+        raise ValueError(f"correction: unknown {correction!r}; expected one of {', '.join(CORRECTIONS[1:])}")
+    _same_shape(behaviour, proximal.shape, "behaviour", "proximal")
+    w = torch.exp((proximal - behaviour).detach().clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP))
+    over = w > cap if cap > 0 else torch.zeros_like(w, dtype=torch.bool)
+    if correction == "tis":
+        weights = w.clamp(max=cap) if cap > 0 else w
+    else:
+        weights = torch.where(over, torch.zeros_like(w), w)
+    keep = mask.bool()
+    metrics = {
+        "is_weight_mean": _masked_mean(w, mask),
+        "is_weight_max": w[keep].max() if bool(keep.any()) else w.new_zeros(()),
+        "is_capped_frac": _masked_mean(over.to(w.dtype), mask),
+    }
+    return weights, metrics
 
 
 def value_loss(

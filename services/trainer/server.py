@@ -65,6 +65,8 @@ def settings_from_proto(cfg: trainer_pb2.TrainerConfig) -> TrainerSettings:
             entropy_coef=loss.entropy_coef,
             loss_agg=loss.loss_agg or defaults.loss.loss_agg,
             value_clip=loss.value_clip if loss.HasField("value_clip") else defaults.loss.value_clip,
+            correction=loss.correction or defaults.loss.correction,
+            is_cap=loss.is_cap if loss.HasField("is_cap") else defaults.loss.is_cap,
         ),
         tags=tuple(cfg.tags),
         eval_only=cfg.eval_only,

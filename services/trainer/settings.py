@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from services import devices
 from services.models.decoder import torch_dtype
+from services.trainer.losses import CORRECTIONS
 
 KL_ESTIMATORS = ("k1", "k2", "k3", "low_var_kl")
 LOSS_AGGREGATIONS = ("token_mean", "seq_mean_token_sum", "seq_mean_token_mean")
@@ -68,8 +69,15 @@ class LossSettings:
     entropy_coef: float = 0.0
     loss_agg: str = "token_mean"
     value_clip: float = 0.2  # critic: new values stay within old_values +- value_clip (0: unclipped)
+    # Off-policy correction against the engine's logprobs (`losses.off_policy_weights`): "none"
+    # takes PPO's ratio against them, as on-policy training does.
+    correction: str = "none"
+    is_cap: float = 2.0  # tis: weights truncated here; decoupled: tokens above it left out (0: no cap)
 
     def __post_init__(self) -> None:
+        if self.correction not in CORRECTIONS:
+            raise ValueError(f"loss.correction: unknown {self.correction!r}; expected one of {', '.join(CORRECTIONS)}")
+        _finite("loss.is_cap", self.is_cap, low=0.0, open_low=self.correction == "tis")
         _finite("loss.value_clip", self.value_clip, low=0.0)
         _finite("loss.clip_eps_low", self.clip_eps_low, low=0.0)
         _finite("loss.clip_eps_high", self.clip_eps_high, low=0.0)

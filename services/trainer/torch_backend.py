@@ -484,12 +484,20 @@ class TorchTrainer:
             return loss, {"loss": loss.item(), "sft_loss": loss.item()}
         logprobs = losses.gather_logprobs(logits, batch.targets)  # [B, T-1]
         old = batch.old_logprobs if batch.old_logprobs is not None else logprobs.detach()
+        weights, is_metrics = None, {}
+        if cfg.correction != "none" and batch.old_logprobs is not None:
+            # Off-policy: PPO's ratio against these weights (one optimizer step a batch: the
+            # proximal policy is the one computing this), each token scaled by its importance
+            # weight against the engine's that sampled it.
+            old = logprobs.detach()
+            weights, is_metrics = losses.off_policy_weights(old, batch.old_logprobs, batch.response_mask,
+                                                            cfg.correction, cfg.is_cap)
         pg_loss, pg_metrics = losses.policy_loss(
             logprobs, old, batch.advantages, batch.response_mask,
-            cfg.clip_eps_low, cfg.clip_eps_high, cfg.loss_agg,
+            cfg.clip_eps_low, cfg.clip_eps_high, cfg.loss_agg, token_weights=weights,
         )
         loss = pg_loss
-        metrics = {"pg_loss": pg_loss.item(), **{k: float(v) for k, v in pg_metrics.items()}}
+        metrics = {"pg_loss": pg_loss.item(), **{k: float(v) for k, v in {**pg_metrics, **is_metrics}.items()}}
         if batch.old_logprobs is not None:
             # The on-policy gap: these weights made the rollout, so any difference is the engine's
             # kernels against the trainer's, token for token.

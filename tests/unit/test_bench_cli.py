@@ -23,6 +23,7 @@ CPU_RUNS = {
     "sync_phases": ["--mb", "4", "--syncs", "1", "--planes", "grpc_stream", "--log-lines", "0"],
     "weight_sync": ["--mb", "4", "--repeats", "1", "--planes", "shm", "--device", "cpu", "--json"],
     "parity": ["--device", "cpu", "--archs", "qwen3", "--head-dims", "48", "--batches", "1"],
+    "async": ["--steps", "2"],
 }
 # Run as users run them elsewhere: verify_floor by tests/integration/test_bench_verify_floor.py;
 # load's `run` by serve here and by tests/integration/test_starvation.py.

@@ -12,6 +12,7 @@ from services.trainer.losses import (
     entropy_from_logits,
     gather_logprobs,
     kl_penalty,
+    off_policy_weights,
     policy_loss,
     sft_loss,
 )
@@ -211,3 +212,51 @@ def test_sft_step_lowers_the_loss():
     with torch.no_grad():
         logits -= 1.0 * logits.grad
     assert sft_loss(logits, targets, mask, "seq_mean_token_mean") < loss
+
+
+# --------------------------------------------------------------------------- off-policy correction
+
+
+def test_truncated_importance_weights_hand_computed():
+    """w = exp(proximal - behaviour), truncated at the cap; metrics see w before the cap."""
+    behaviour = torch.tensor([[math.log(0.5), math.log(0.2), math.log(0.4)]])
+    proximal = torch.tensor([[math.log(0.5), math.log(0.6), math.log(0.2)]])  # w = 1, 3, 0.5
+    mask = torch.tensor([[1.0, 1.0, 1.0]])
+    weights, metrics = off_policy_weights(proximal, behaviour, mask, "tis", 2.0)
+    close(weights, [[1.0, 2.0, 0.5]])
+    close(metrics["is_weight_mean"], (1 + 3 + 0.5) / 3)
+    close(metrics["is_weight_max"], 3.0)
+    close(metrics["is_capped_frac"], 1 / 3)
+
+
+def test_decoupled_weights_leave_out_tokens_over_the_cap():
+    behaviour = torch.tensor([[math.log(0.5), math.log(0.2), math.log(0.4)]])
+    proximal = torch.tensor([[math.log(0.5), math.log(0.6), math.log(0.2)]])
+    mask = torch.tensor([[1.0, 1.0, 0.0]])  # the third token does not count
+    weights, metrics = off_policy_weights(proximal, behaviour, mask, "decoupled", 2.0)
+    close(weights, [[1.0, 0.0, 0.5]])
+    close(metrics["is_weight_mean"], 2.0)  # (1 + 3) / 2 over counted tokens
+    close(metrics["is_capped_frac"], 0.5)
+    uncapped, _ = off_policy_weights(proximal, behaviour, mask, "decoupled", 0.0)
+    close(uncapped, [[1.0, 3.0, 0.5]])
+
+
+def test_weighted_policy_loss_hand_computed():
+    """Against the proximal policy the ratio is 1 at the current weights: the loss is
+    -mean(w * A), and its gradient is the policy gradient scaled by w."""
+    logprobs = torch.tensor([[math.log(0.5), math.log(0.6)]], requires_grad=True)
+    advantages = torch.tensor([1.0])
+    weights = torch.tensor([[1.0, 2.0]])
+    loss, metrics = policy_loss(logprobs, logprobs.detach(), advantages, torch.ones(1, 2), 0.2, 0.2,
+                                token_weights=weights)
+    close(loss.detach(), -(1.0 * 1 + 2.0 * 1) / 2)
+    loss.backward()
+    close(logprobs.grad, [[-0.5, -1.0]])  # d/dlogp of -w * A * exp(logp - sg(logp)) / 2
+    close(metrics["ratio_mean"], 1.0)
+
+
+def test_unknown_correction_and_mismatched_shapes_are_named():
+    with pytest.raises(ValueError, match="correction"):
+        off_policy_weights(torch.zeros(1, 2), torch.zeros(1, 2), torch.ones(1, 2), "bogus", 2.0)
+    with pytest.raises(ValueError, match="behaviour"):
+        off_policy_weights(torch.zeros(1, 2), torch.zeros(1, 3), torch.ones(1, 2), "tis", 2.0)
