@@ -514,3 +514,24 @@ def test_example_in_this_file_is_valid_yaml_for_the_docs():
     # The FULL_EXAMPLE mirrors the documented tree: every key in it is a real field.
     assert set(yaml.safe_load(FULL_EXAMPLE)) == {f.name for f in dataclasses.fields(JobConfig)}
     assert textwrap.dedent(FULL_EXAMPLE) == FULL_EXAMPLE
+
+
+def test_async_is_a_section_of_the_algorithm_and_absent_is_the_synchronous_loop():
+    assert parse().algorithm.async_ is None and parse().algorithm.max_staleness == 0
+    cfg = parse({"algorithm": {"async": {"max_staleness": 2, "correction": "decoupled", "tis_cap": 0}}})
+    assert cfg.algorithm.max_staleness == 2 and cfg.algorithm.async_.correction == "decoupled"
+    assert parse({"algorithm": {"async": {}}}).algorithm.async_.max_staleness == 1  # the section's default
+    assert to_dict(cfg)["algorithm"]["async"]["max_staleness"] == 2  # its key, not the Python name
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"algorithm": {"async": {"max_stalenes": 1}}}, "unknown key 'algorithm.async.max_stalenes' (did you mean 'max_staleness'?)"),
+    ({"algorithm": {"async_": {}}}, "unknown key 'algorithm.async_'"),
+    ({"algorithm": {"async": {"max_staleness": -1}}}, "algorithm.async.max_staleness: must be in [0, 64]"),
+    ({"algorithm": {"async": {"correction": "tis", "tis_cap": 0}}}, "algorithm.async.tis_cap: must be > 0"),
+    ({"algorithm": {"async": {"correction": "importance"}}}, "algorithm.async.correction: expected one of"),
+    ({"algorithm": {"async": {}}, "trainer": {"colocate": True}}, "algorithm.async: asynchronous RL keeps engines"),
+    ({"algorithm": {"advantage": "ppo", "async": {}}}, "algorithm.async: asynchronous RL is not built for PPO"),
+])
+def test_bad_async_settings_name_the_field(overrides, message):
+    assert message in error_of(overrides)

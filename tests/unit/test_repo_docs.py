@@ -24,17 +24,24 @@ def test_config_reference_is_generated_from_the_current_schema():
 def test_config_reference_lists_every_field_the_loader_accepts():
     import dataclasses
 
+    import typing
+
     from services.coordinator.config import JobConfig
+    from services.coordinator.dataclass_io import key_of
 
     page = config_reference.render()
 
     def fields(cls):
+        hints = typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
-            yield f.name
-            tp = getattr(cls, "__annotations__", {}).get(f.name)
+            yield key_of(f.name)
             default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
             if dataclasses.is_dataclass(default):
                 yield from fields(type(default))
+            else:  # an optional section (`X | None`, default None)
+                for inner in typing.get_args(hints[f.name]):
+                    if dataclasses.is_dataclass(inner):
+                        yield from fields(inner)
 
     for name in fields(JobConfig):
         assert f"| `{name}` |" in page, name
