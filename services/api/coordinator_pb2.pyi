@@ -22,6 +22,18 @@ JOB_STATE_SUCCEEDED: JobState
 JOB_STATE_FAILED: JobState
 JOB_STATE_CANCELLED: JobState
 
+class ScaleEnginesRequest(_message.Message):
+    __slots__ = ("rollouts",)
+    ROLLOUTS_FIELD_NUMBER: _ClassVar[int]
+    rollouts: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, rollouts: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class ScaleEnginesResponse(_message.Message):
+    __slots__ = ("rollouts",)
+    ROLLOUTS_FIELD_NUMBER: _ClassVar[int]
+    rollouts: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, rollouts: _Optional[_Iterable[str]] = ...) -> None: ...
+
 class Job(_message.Message):
     __slots__ = ("id", "name", "state", "config_yaml", "step", "num_steps", "error", "created_at", "updated_at", "summary_json", "output_dir", "request_id", "base_dir", "cancel_requested")
     ID_FIELD_NUMBER: _ClassVar[int]

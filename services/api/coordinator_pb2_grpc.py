@@ -64,6 +64,11 @@ class CoordinatorStub:
                 request_serializer=rlfleet_dot_v1_dot_coordinator__pb2.GetJobMetricsRequest.SerializeToString,
                 response_deserializer=rlfleet_dot_v1_dot_coordinator__pb2.JobMetrics.FromString,
                 _registered_method=True)
+        self.ScaleEngines = channel.unary_unary(
+                '/rlfleet.v1.Coordinator/ScaleEngines',
+                request_serializer=rlfleet_dot_v1_dot_coordinator__pb2.ScaleEnginesRequest.SerializeToString,
+                response_deserializer=rlfleet_dot_v1_dot_coordinator__pb2.ScaleEnginesResponse.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -112,6 +117,17 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ScaleEngines(self, request, context):
+        """The rollout engines this coordinator may use from now on (a coordinator given static
+        --rollouts lists): running jobs admit engines new to the list at their next step boundary,
+        once each has taken and verified the current weights, and stop sending work to engines no
+        longer listed. FAILED_PRECONDITION for a coordinator that discovers its engines (Kubernetes:
+        scale the rollout StatefulSet instead); INVALID_ARGUMENT for an empty or malformed list.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -144,6 +160,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.GetJobMetrics,
                     request_deserializer=rlfleet_dot_v1_dot_coordinator__pb2.GetJobMetricsRequest.FromString,
                     response_serializer=rlfleet_dot_v1_dot_coordinator__pb2.JobMetrics.SerializeToString,
+            ),
+            'ScaleEngines': grpc.unary_unary_rpc_method_handler(
+                    servicer.ScaleEngines,
+                    request_deserializer=rlfleet_dot_v1_dot_coordinator__pb2.ScaleEnginesRequest.FromString,
+                    response_serializer=rlfleet_dot_v1_dot_coordinator__pb2.ScaleEnginesResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -308,6 +329,33 @@ class Coordinator:
             '/rlfleet.v1.Coordinator/GetJobMetrics',
             rlfleet_dot_v1_dot_coordinator__pb2.GetJobMetricsRequest.SerializeToString,
             rlfleet_dot_v1_dot_coordinator__pb2.JobMetrics.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ScaleEngines(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rlfleet.v1.Coordinator/ScaleEngines',
+            rlfleet_dot_v1_dot_coordinator__pb2.ScaleEnginesRequest.SerializeToString,
+            rlfleet_dot_v1_dot_coordinator__pb2.ScaleEnginesResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -140,6 +140,11 @@ class RolloutConfig:
         samples_per_prompt: completions sampled per prompt (the group size of group baselines).
         sampling: sampling parameters for training rollouts.
         num_engines: rollout engines to run.
+        elastic: the job also takes rollout engines that become ready while it runs (the rollout
+            StatefulSet scaled up, or a coordinator's ScaleEngines call), each admitted at a step
+            boundary once it has taken and verified the current weights, and stops sending work
+            to engines no longer listed. num_engines is then the count it starts with. Leave it
+            off where several jobs share a coordinator's engines.
         devices: where the engines run (cpu, cuda or cuda:N), taken in turn: engine k gets
             devices[k % len(devices)]; empty = the trainer's device. [cuda:1] puts every engine
             on GPU 1 beside a trainer on GPU 0, and weights then move by NCCL broadcast.
@@ -161,6 +166,7 @@ class RolloutConfig:
     samples_per_prompt: int = 8
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     num_engines: int = 1
+    elastic: bool = False
     devices: tuple[str, ...] = ()
     max_batch_size: int = 256
     kv_cache_fraction: float = 0.5

@@ -207,6 +207,8 @@ def make_fleet(
             critics=[TrainerClient(a, token) for a in critics],
             trainer_token=token or "",
             relocate=relocate,
+            discover=discovery.rollouts if job.rollout.elastic else None,
+            connect=lambda address: RolloutClient(address, token),
         )
 
     return make

@@ -44,6 +44,7 @@ import yaml
 from services import rpc
 from services.coordinator.config import ConfigError, JobConfig, parse_job, to_dict
 from services.coordinator.clients import PeerError
+from services.coordinator.fleet import EnginesDiscovered
 from services.coordinator.loop import Fleet, JobCancelled, Resume, RLLoop
 from services.coordinator.metrics import MetricsWriter, plot_rewards
 from services.coordinator.rewards import RewardError, check_reward_modules
@@ -211,6 +212,15 @@ class JobManager:
         size = min(page_size or DEFAULT_PAGE_SIZE, MAX_PAGE_SIZE)
         jobs, cursor = self.store.list_jobs(state, size, _decode_token(page_token) if page_token else None)
         return jobs, ("" if cursor is None else _encode_token(cursor))
+
+    def scale_engines(self, rollouts: list[str]) -> list[str]:
+        """The engines jobs may use from now on (static lists only: EnginesDiscovered otherwise);
+        running jobs take the change at their next step boundary (`RLLoop.admit_engines`)."""
+        scale = getattr(self._make_fleet, "scale_engines", None)
+        if scale is None:
+            raise EnginesDiscovered("this coordinator discovers its rollout engines (Kubernetes): scale the rollout "
+                                    "StatefulSet (kubectl scale) instead")
+        return scale(rollouts)
 
     def cancel(self, job_id: str, *, strict: bool = False) -> JobRecord:
         """Cancel a pending job now, a running one at its next step; `strict` refuses finished jobs."""

@@ -63,6 +63,11 @@ class Fleet:
     # Where engine k runs now, when that can change (a Kubernetes pod that restarted has a new
     # address): a client for its current address, or None while it is not ready.
     relocate: Callable[[int], RolloutClient | None] | None = None
+    # An elastic job's view of the rollout engines ready now (addresses in rank order), and how
+    # to reach one: engines new to it are admitted between steps (`RLLoop.admit_engines`).
+    discover: Callable[[], list[str]] | None = None
+    connect: Callable[[str], RolloutClient] | None = None
+    retired: set[int] = field(default_factory=set)  # engines discovery no longer lists: no weights, no work
 
     @property
     def trainer_servers(self) -> list[TrainerClient]:
@@ -159,7 +164,8 @@ class RLLoop:
         self.emit = emit
         self.cancelled = cancelled or threading.Event()
         self.weights_version = -1
-        self._pool = ThreadPoolExecutor(max_workers=2 + 2 * len(fleet.engines))
+        # (an elastic fleet may grow: room for more engines than it starts with)
+        self._pool = ThreadPoolExecutor(max_workers=2 + 2 * max(len(fleet.engines), 16 if fleet.discover else 0))
         self.syncer: WeightSyncer | None = None
         self.trainers = TrainerGroup(fleet.trainers) if fleet.trainers else None
         self.critics: TrainerGroup | None = None  # PPO's value model (setup builds it; never in eval-only)
@@ -285,6 +291,48 @@ class RLLoop:
             self.sync_weights(step)  # the moved engines rejoin with the current version, or stay out
         return len(set(moved) & self.fleet.in_pool)
 
+    def admit_engines(self, step: int) -> int:
+        """An elastic job, between steps: engines newly listed by discovery are configured and
+        given the current weights (verified) before they get any work; engines no longer listed
+        get none. How many joined."""
+        if self.fleet.discover is None or self.syncer is None:
+            return 0
+        listed = self.fleet.discover()
+        for index, engine in enumerate(self.fleet.engines):
+            if engine.address not in listed and index not in self.fleet.retired:
+                self.fleet.retired.add(index)
+                self.fleet.in_pool.discard(index)
+                self.emit("log", step, {"message": f"engine {engine.address} is no longer listed: it gets no more work"})
+            elif engine.address in listed and index in self.fleet.retired:
+                self.fleet.retired.discard(index)  # listed again: the next sync brings it back
+        known = {e.address for e in self.fleet.engines}
+        joining = []
+        for address in (a for a in listed if a not in known):
+            client = self.fleet.connect(address)
+            try:
+                client.configure(self._engine_config(len(self.fleet.engines)))
+                index = self.syncer.add_engine(client)
+            except (PeerError, ValueError) as e:
+                client.close()
+                self.emit("log", step, {"message": f"engine {address} could not join yet: {e}"})
+                continue
+            self.fleet.engines.append(client)
+            joining.append(index)
+        if not joining:
+            return 0
+        result = self.syncer.sync(set(joining), only=set(joining))
+        joined = sorted(result.ok & set(joining))
+        self.fleet.in_pool |= set(joined)
+        for index in joining:
+            address = self.fleet.engines[index].address
+            if index in result.ok:
+                self.emit("log", step, {"message": f"engine {address} joined the pool at version {result.version}",
+                                        "engine": address, "joined_version": result.version})
+            else:
+                self.emit("log", step, {"message": f"engine {address} took no weights and stays out of the pool: "
+                                                   f"{result.failures.get(address, 'unknown')}"})
+        return len(joined)
+
     # ---- weights -----------------------------------------------------------------------------
     def sync_weights(self, step: int) -> dict:
         """Every engine gets the trainer's current weights over its negotiated plane; an engine
@@ -293,8 +341,9 @@ class RLLoop:
         colocate = self.job.trainer.colocate
         if colocate:  # engines get their weight memory back first, their KV cache only after the sync
             self._on_engines(lambda e: e.resume_memory(["weights"]))
-        result = self.syncer.sync(set(self.fleet.in_pool))
-        self.fleet.in_pool = set(result.ok)
+        listed = set(range(len(self.fleet.engines))) - self.fleet.retired
+        result = self.syncer.sync(self.fleet.in_pool & listed, only=listed if self.fleet.retired else None)
+        self.fleet.in_pool = set(result.ok) - self.fleet.retired
         if colocate:
             self._on_engines(lambda e: e.resume_memory(["kv_cache"]))
         stats = {
@@ -403,6 +452,7 @@ class RLLoop:
         """One synchronous step: generate the batch with the current weights, then train on it."""
         if len(self.fleet.in_pool) < len(self.fleet.engines):
             self.recover_engines(step)
+        self.admit_engines(step)
         return self.learn(self.rollout(step, examples))
 
     def rollout(self, step: int, examples: list[Example]) -> Rollout:
@@ -469,6 +519,7 @@ class RLLoop:
             "reward_std": float(rewards.std()) if rewards.numel() > 1 else 0.0,
             "solved_groups": float((rewards.max(dim=1).values > 0).float().mean()),
             "response_len_mean": sum(lengths) / len(lengths),
+            "samples": float(len(completions)),
             "truncated_frac": sum(c.finish_reason == "length" for c in completions) / len(completions),
             "generate_s": rollout.generate_s,
             "train_s": t2 - t1,
@@ -644,6 +695,7 @@ class RLLoop:
         def learn(rollout: Rollout, extra: dict) -> dict:
             if len(self.fleet.in_pool) < len(self.fleet.engines):
                 self.recover_engines(rollout.step)
+            self.admit_engines(rollout.step)
             return self.learn(rollout, extra)
 
         def dropped(step: int, count: int) -> None:

@@ -17,6 +17,7 @@ import grpc
 from services import rpc
 from services.api import coordinator_pb2, coordinator_pb2_grpc
 from services.coordinator.config import ConfigError
+from services.coordinator.fleet import EnginesDiscovered
 from services.coordinator.jobs import JobFinished, JobManager, JobNotFound, RequestConflict
 from services.coordinator.store import Event, JobRecord
 
@@ -101,6 +102,10 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             self.manager.get(request.job_id)  # NOT_FOUND before the stream starts
             for event in self.manager.watch(request.job_id, request.after_seq, stop, follow=not request.replay_only):
                 yield event_to_proto(event)
+
+    def ScaleEngines(self, request, context):
+        with rpc.abort_on(context, {**_ERRORS, EnginesDiscovered: grpc.StatusCode.FAILED_PRECONDITION}):
+            return coordinator_pb2.ScaleEnginesResponse(rollouts=self.manager.scale_engines(list(request.rollouts)))
 
     def GetJobMetrics(self, request, context):
         with rpc.abort_on(context, _ERRORS):

@@ -115,11 +115,25 @@ class WeightSyncer:
         self.planes[index] = choose_plane(self.trainer_caps, client.capabilities, self._forced, client.address)
         self._drop_group()  # the member at this rank is another process now
 
-    def sync(self, alive: set[int]) -> SyncResult:
-        """Sync every engine in `alive` (plus any that answers again); returns who got the weights."""
+    def add_engine(self, client: RolloutClient) -> int:
+        """A new engine (an elastic job's fleet grew): its index; it gets weights at the next sync."""
+        plane = choose_plane(self.trainer_caps, client.capabilities, self._forced, client.address)
+        if plane == "broadcast":
+            _check_nccl_ranks(self.trainer_caps, [(e.address, caps) for e, caps, p in
+                                                  zip([*self.engines, client], [*self.engine_caps, client.capabilities],
+                                                      [*self.planes, plane]) if p == "broadcast"])
+        self.engines.append(client)
+        self.engine_caps.append(client.capabilities)
+        self.planes.append(plane)
+        return len(self.engines) - 1
+
+    def sync(self, alive: set[int], only: set[int] | None = None) -> SyncResult:
+        """Sync every engine in `alive` (plus any that answers again), or just those in `only`;
+        returns who got the weights."""
         by_plane: dict[str, list[int]] = {}
         for index, plane in enumerate(self.planes):
-            by_plane.setdefault(plane, []).append(index)
+            if only is None or index in only:
+                by_plane.setdefault(plane, []).append(index)
         result = None
         for plane, members in by_plane.items():
             part = getattr(self, f"_sync_{plane}")(members)
