@@ -496,10 +496,10 @@ class RLLoop:
                 trainer_pb2.Sample(
                     prompt_ids=c.prompt_ids,
                     response_ids=c.output_ids,
-                    advantage=float(adv),
+                    advantage=adv,
                     old_logprobs=c.logprobs,
                 )
-                for c, adv in zip(completions, advantages)
+                for c, adv in zip(completions, advantages.tolist())  # (floats: not a 0-d tensor each)
                 if c.output_ids
             ])
         if algo.needs_ref and algo.use_kl_loss:

@@ -153,8 +153,7 @@ class WeightSyncer:
 
     def _submit_updates(self, members, manifest, **source) -> dict:
         return {
-            i: self._pool.submit(self.engines[i].update_weights, manifest, self.timeout_s, self.exact,
-                                 policy=self.policy, **source)
+            i: self.engines[i].update_weights_async(manifest, self.timeout_s, self.exact, policy=self.policy, **source)
             for i in members
         }
 

@@ -146,3 +146,32 @@ def test_a_step_whose_gradient_is_not_finite_is_skipped_and_keeps_the_weights(ti
     assert all(torch.equal(a, b) for a, b in zip(before, trainer.params))
     assert result.weights_version == 0  # nothing new to sync
     assert trainer.train_step(_samples(1.0)).weights_version == 1  # and the trainer trains on
+
+
+def test_off_policy_correction_reweights_each_token_of_stale_samples(tiny_model_dir):
+    """Samples whose engine logprobs say an older policy drew them: with tis each token's
+    gradient is scaled by min(pi_now / pi_old, cap) and PPO's ratio is taken against pi_now;
+    without a correction the ratio against pi_old clips. Same samples, different updates."""
+    base = TorchTrainer(_settings(tiny_model_dir))
+    samples = _samples(1.0)
+    now, _ = base.compute_logprobs("actor", samples)
+    stale = [dataclasses.replace(s, old_logprobs=[lp - 0.5 for lp in lps]) for s, lps in zip(samples, now)]  # w = e^0.5
+    grads, metrics = {}, {}
+    for correction in ("none", "tis", "decoupled"):
+        loss = LossSettings(correction=correction, is_cap=1.5)
+        trainer = TorchTrainer(_settings(tiny_model_dir, loss=loss))
+        metrics[correction] = trainer.train_step(stale).metrics
+        grads[correction] = torch.cat([p.grad.flatten() for p in trainer.model.parameters() if p.grad is not None])
+    assert metrics["tis"]["is_weight_mean"] == pytest.approx(2.718281828 ** 0.5, rel=1e-4)
+    assert metrics["tis"]["is_capped_frac"] == 1.0 and "is_weight_mean" not in metrics["none"]
+    assert metrics["none"]["clip_frac"] == 1.0  # ratio e^0.5 > 1.2 with A > 0: clipped, no gradient
+    assert grads["none"].abs().max() == 0
+    # tis: the plain policy gradient times the cap; decoupled: every token over the cap left out
+    assert grads["tis"].abs().max() > 0 and grads["decoupled"].abs().max() == 0
+
+
+def test_an_unknown_correction_is_refused_by_name(tiny_model_dir):
+    with pytest.raises(ValueError, match="loss.correction: unknown 'importance'"):
+        LossSettings(correction="importance")
+    with pytest.raises(ValueError, match="loss.is_cap"):
+        LossSettings(correction="tis", is_cap=0.0)
