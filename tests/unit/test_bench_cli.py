@@ -24,6 +24,7 @@ CPU_RUNS = {
     "weight_sync": ["--mb", "4", "--repeats", "1", "--planes", "shm", "--device", "cpu", "--json"],
     "parity": ["--device", "cpu", "--archs", "qwen3", "--head-dims", "48", "--batches", "1"],
     "async": ["--steps", "2"],
+    "fleet_scale": ["--engines", "1,2", "--steps", "1", "--train-ms", "50", "--new-tokens", "4", "--processes", "1"],
 }
 # Run as users run them elsewhere: verify_floor by tests/integration/test_bench_verify_floor.py;
 # load's `run` by serve here and by tests/integration/test_starvation.py.
