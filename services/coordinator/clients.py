@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Callable
 
 import grpc
 
@@ -58,12 +59,13 @@ class _Client:
 class Pending:
     """A call under way (a gRPC future): `result()` waits for its reply, or raises PeerError."""
 
-    def __init__(self, client: _Client, name: str, future: grpc.Future):
-        self._client, self._name, self._future = client, name, future
+    def __init__(self, client: _Client, name: str, future: grpc.Future, then: Callable | None = None):
+        self._client, self._name, self._future, self._then = client, name, future, then
 
     def result(self):
         with self._client._call(self._name):
-            return self._future.result()
+            reply = self._future.result()
+        return self._then(reply) if self._then is not None else reply
 
 
 class TrainerClient(_Client):
@@ -268,16 +270,24 @@ class RolloutClient(_Client):
         self, prompts: list[str], sampling: rollout_pb2.SamplingParams, *, return_logprobs: bool = True,
         priority: str = "train",
     ) -> list[Completion]:
+        return self.generate_async(prompts, sampling, return_logprobs=return_logprobs, priority=priority).result()
+
+    def generate_async(
+        self, prompts: list[str], sampling: rollout_pb2.SamplingParams, *, return_logprobs: bool = True,
+        priority: str = "train",
+    ) -> Pending:
+        """`generate` started and not waited for (many engines' calls without a thread each);
+        `result()` is the completions."""
         request = rollout_pb2.GenerateRequest(
             prompts=prompts,
             sampling=sampling,
             return_logprobs=return_logprobs,
             priority=rollout_pb2.PRIORITY_EVAL if priority == "eval" else rollout_pb2.PRIORITY_TRAIN,
         )
-        with self._call("Generate"):
-            reply = self._stub.Generate(request, timeout=self.deadline_s)
         reasons = {rollout_pb2.FINISH_REASON_STOP: "stop", rollout_pb2.FINISH_REASON_LENGTH: "length"}
-        return [self._completion(c, reasons) for c in reply.results]
+        with self._call("Generate"):
+            future = self._stub.Generate.future(request, timeout=self.deadline_s)
+        return Pending(self, "Generate", future, lambda reply: [self._completion(c, reasons) for c in reply.results])
 
     @staticmethod
     def _completion(c, reasons) -> Completion:

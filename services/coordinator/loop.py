@@ -383,7 +383,7 @@ class RLLoop:
                 pool = self._wait_for_an_engine()
             shards = [pending[k :: len(pool)] for k in range(len(pool))]
             futures = {
-                engine: self._pool.submit(self._generate_on, engine, [prompts[i] for i in shard], sampling, priority)
+                engine: self._generate_on(engine, [prompts[i] for i in shard], sampling, priority)
                 for engine, shard in zip(pool, shards)
                 if shard
             }
@@ -413,11 +413,10 @@ class RLLoop:
                 raise RuntimeError("no rollout engine left in the pool")
             time.sleep(poll_s)
 
-    def _generate_on(self, engine: int, prompts: list[str], sampling, priority: str) -> list[list[Completion]]:
-        client = self.fleet.engines[engine]
-        n = max(1, sampling.n)
-        flat = client.generate(prompts, sampling, priority=priority)
-        return [flat[i * n : (i + 1) * n] for i in range(len(prompts))]
+    def _generate_on(self, engine: int, prompts: list[str], sampling, priority: str) -> _Groups:
+        """The call to engine `engine`, started: `result()` is each prompt's completions."""
+        return _Groups(self.fleet.engines[engine].generate_async(prompts, sampling, priority=priority),
+                       len(prompts), max(1, sampling.n))
 
     def _prompt_text(self, example: Example) -> str:
         """What an engine completes: the row's prompt, or its conversation in the chat template."""
@@ -763,6 +762,17 @@ class RLLoop:
             self.trainers.close()
         if self.critics is not None:
             self.critics.close()
+
+
+class _Groups:
+    """A Generate call under way; `result()` splits its completions into each prompt's n."""
+
+    def __init__(self, pending, prompts: int, n: int):
+        self._pending, self._prompts, self._n = pending, prompts, n
+
+    def result(self) -> list[list[Completion]]:
+        flat = self._pending.result()
+        return [flat[i * self._n : (i + 1) * self._n] for i in range(self._prompts)]
 
 
 def _groups(completions: list[Completion], n: int) -> list[list[Completion]]:
