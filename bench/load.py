@@ -165,6 +165,8 @@ def run(model_dir: Path, *, clients: int, seconds: float, max_new_tokens: int = 
         "rows_per_step": round((loads[-1].row_steps - loads[0].row_steps) / max(steps, 1), 1),
         "prefills_per_round": round((loads[-1].prefills - loads[0].prefills) / max(rounds, 1), 2),
         "preempted": loads[-1].preempted - loads[0].preempted,
+        # where the engine's time went in the counted window (seconds of it)
+        **{k: round(getattr(loads[-1], k) - getattr(loads[0], k), 3) for k in ("prefill_s", "decode_s", "host_s")},
         "bench": "load", "clients": clients, "client_processes": processes, "prompts_per_call": len(prompts),
         "device": device, "seconds": round(elapsed, 2), "calls": calls, "shed": shed,
         "errors": len(errors), "first_errors": errors[:3], "completions_per_s": round(throughput, 1),

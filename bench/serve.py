@@ -108,7 +108,8 @@ def main(argv: list[str] | None = None) -> int:
         lines.append(line)
         print(f"#   ratio {line['ratio']}, p50 {line['p50_s']} s, p99 {line['p99_s']} s, {line['shed']} shed, "
               f"{line['errors']} errors; {line['rows_per_step']} rows a step, {line['steps_per_round']} steps and "
-              f"{line['prefills_per_round']} prefills a round", file=sys.stderr, flush=True)
+              f"{line['prefills_per_round']} prefills a round; prefill {line['prefill_s']} s, decode {line['decode_s']} s, "
+              f"host {line['host_s']} s", file=sys.stderr, flush=True)
     if args.png:
         plot(lines, args.png)
     return 1 if any(line["errors"] for line in lines) else 0

@@ -286,7 +286,7 @@ class RolloutStatus(_message.Message):
     def __init__(self, configured: _Optional[bool] = ..., weight_version: _Optional[int] = ..., serving: _Optional[bool] = ..., released: _Optional[_Iterable[str]] = ..., last_error: _Optional[str] = ..., num_parameters: _Optional[int] = ..., checkpoint_step: _Optional[int] = ..., load: _Optional[_Union[EngineLoad, _Mapping]] = ...) -> None: ...
 
 class EngineLoad(_message.Message):
-    __slots__ = ("rows_running", "rows_waiting", "requests_live", "rounds", "decode_steps", "row_steps", "prefills", "preempted", "prefix_lookup_tokens", "prefix_hit_tokens")
+    __slots__ = ("rows_running", "rows_waiting", "requests_live", "rounds", "decode_steps", "row_steps", "prefills", "preempted", "prefix_lookup_tokens", "prefix_hit_tokens", "prefill_s", "decode_s", "host_s")
     ROWS_RUNNING_FIELD_NUMBER: _ClassVar[int]
     ROWS_WAITING_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_LIVE_FIELD_NUMBER: _ClassVar[int]
@@ -297,6 +297,9 @@ class EngineLoad(_message.Message):
     PREEMPTED_FIELD_NUMBER: _ClassVar[int]
     PREFIX_LOOKUP_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_S_FIELD_NUMBER: _ClassVar[int]
+    DECODE_S_FIELD_NUMBER: _ClassVar[int]
+    HOST_S_FIELD_NUMBER: _ClassVar[int]
     rows_running: int
     rows_waiting: int
     requests_live: int
@@ -307,4 +310,7 @@ class EngineLoad(_message.Message):
     preempted: int
     prefix_lookup_tokens: int
     prefix_hit_tokens: int
-    def __init__(self, rows_running: _Optional[int] = ..., rows_waiting: _Optional[int] = ..., requests_live: _Optional[int] = ..., rounds: _Optional[int] = ..., decode_steps: _Optional[int] = ..., row_steps: _Optional[int] = ..., prefills: _Optional[int] = ..., preempted: _Optional[int] = ..., prefix_lookup_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ...) -> None: ...
+    prefill_s: float
+    decode_s: float
+    host_s: float
+    def __init__(self, rows_running: _Optional[int] = ..., rows_waiting: _Optional[int] = ..., requests_live: _Optional[int] = ..., rounds: _Optional[int] = ..., decode_steps: _Optional[int] = ..., row_steps: _Optional[int] = ..., prefills: _Optional[int] = ..., preempted: _Optional[int] = ..., prefix_lookup_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., prefill_s: _Optional[float] = ..., decode_s: _Optional[float] = ..., host_s: _Optional[float] = ...) -> None: ...

@@ -184,7 +184,8 @@ class RolloutEngine:
             if s is None:
                 return EngineLoad()
             prefix = s.prefix
-            return EngineLoad(rows_running=s.rows_running, rows_waiting=s.rows_waiting, requests_live=len(s.live()),
+            prefill_s, decode_s, host_s = s.seconds_spent()
+            return EngineLoad(prefill_s=prefill_s, decode_s=decode_s, host_s=host_s,rows_running=s.rows_running, rows_waiting=s.rows_waiting, requests_live=len(s.live()),
                               rounds=s.rounds_run, decode_steps=s.steps_run, row_steps=s.row_steps,
                               prefills=s.prefills_run, preempted=s.preempted,
                               prefix_lookup_tokens=prefix.lookup_tokens if prefix else 0,

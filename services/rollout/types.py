@@ -87,6 +87,9 @@ class EngineLoad:
     preempted: int = 0  # rows preempted
     prefix_lookup_tokens: int = 0  # prompt tokens looked up in the prefix cache
     prefix_hit_tokens: int = 0  # of those, found there
+    prefill_s: float = 0.0  # admitting and prefilling
+    decode_s: float = 0.0  # decode steps, up to the host seeing their results
+    host_s: float = 0.0  # the rest of the rounds' host work
 
 
 @dataclass(frozen=True, eq=False)

@@ -268,6 +268,7 @@ class Scheduler:
         self.steps_run = 0  # decode steps
         self.row_steps = 0  # rows in the batch, summed over decode steps (over steps_run: rows a step)
         self.prefills_run = 0  # prefill forwards (each admits one or more prompts)
+        self._spent = [0.0, 0.0, 0.0]  # prefill, decode and host seconds of busy periods that ended
         self.peak_rows = 0  # the most rows in the batch at once, over its life
         self._held: dict[int, list[int]] = {}  # finished rows' blocks kept until their outputs are cached
         self.preempted = 0  # rows preempted, over its life
@@ -420,12 +421,20 @@ class Scheduler:
         if not self.busy:
             self._idle()
 
+    def seconds_spent(self) -> tuple[float, float, float]:
+        """Prefill, decode and host seconds over the scheduler's life (see CallStats)."""
+        c = self._counters
+        return (self._spent[0] + c.prefill_s, self._spent[1] + c.decode_s, self._spent[2] + c.host_s)
+
     def _idle(self) -> None:
         self._flush()
+        c = self._counters
+        self._spent = [self._spent[0] + c.prefill_s, self._spent[1] + c.decode_s, self._spent[2] + c.host_s]
         if self._collections is not None:
             self._collections.restore()
             self._collections = None
         self.last_stats = self._counters.frozen()
+        self._counters = _Counters()  # (counted in _spent now)
 
     def _flush(self) -> None:
         c = self._counters
