@@ -132,6 +132,22 @@ class SglangConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class DynamicSamplingConfig:
+    """Groups whose samples all got the same reward teach a group baseline nothing (every
+    advantage is 0): they are dropped and more prompts generated in their place, as DAPO does.
+
+    Attributes:
+        max_rounds: generation rounds a step may add to refill its prompts_per_step groups; a step
+            that still has fewer trains on those it has.
+    """
+
+    max_rounds: int = 3
+
+    def __post_init__(self) -> None:
+        _check(1 <= self.max_rounds <= 64, "max_rounds", f"must be in [1, 64], got {self.max_rounds}")
+
+
+@dataclass(frozen=True, kw_only=True)
 class RolloutConfig:
     """What the rollout fleet generates each RL step.
 
@@ -160,6 +176,8 @@ class RolloutConfig:
         engine: torch (the built-in engine) or sglang (an SGLang server per engine, driven over
             its HTTP API; weights reach it by broadcast, or by CUDA IPC on the trainer's GPU).
         sglang: the SGLang servers (engine sglang).
+        dynamic_sampling: drop groups whose rewards are all equal and generate more prompts in
+            their place (see DynamicSamplingConfig); absent: every group is trained on.
     """
 
     prompts_per_step: int = 16
@@ -174,6 +192,7 @@ class RolloutConfig:
     prefix_cache: bool = False
     engine: Literal["torch", "sglang"] = "torch"
     sglang: SglangConfig = field(default_factory=SglangConfig)
+    dynamic_sampling: DynamicSamplingConfig | None = None
 
     def __post_init__(self) -> None:
         _check(self.prompts_per_step >= 1, "prompts_per_step", f"must be >= 1, got {self.prompts_per_step}")
@@ -724,6 +743,9 @@ class JobConfig:
                    "devices (trainer.colocate shares one; remove one of them)")
             _check(not self.needs_critic, "algorithm.async",
                    "asynchronous RL is not built for PPO's critic yet (use a group baseline: grpo, dr_grpo, ...)")
+        if self.rollout.dynamic_sampling is not None:
+            _check(self.rollout.samples_per_prompt >= 2, "rollout.dynamic_sampling",
+                   "needs samples_per_prompt >= 2: a group of one sample always has one reward")
         if advantage in GROUP_BASELINES:
             _check(
                 self.rollout.samples_per_prompt >= 2, "rollout.samples_per_prompt",

@@ -11,7 +11,7 @@ import random
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterator
 
@@ -20,7 +20,7 @@ from services.api import rollout_pb2, trainer_pb2
 from services.coordinator.clients import Completion, PeerError, RolloutClient, TrainerClient, TrainerGroup
 from services.coordinator.config import JobConfig, OptimizerConfig, SchedulerConfig
 from services.coordinator.datasets import Example, PromptSampler, load_examples, open_dataset
-from services.coordinator.pipeline import AsyncSteps, Rollout
+from services.coordinator.pipeline import AsyncSteps, Rollout, select_groups
 from services.coordinator.rewards import build_reward
 from services.coordinator.weight_sync import WeightSyncer
 from services.models.tokenizer import load_tokenizer
@@ -455,14 +455,45 @@ class RLLoop:
         return self.learn(self.rollout(step, examples))
 
     def rollout(self, step: int, examples: list[Example]) -> Rollout:
-        """Step `step`'s samples: `samples_per_prompt` completions of each example's prompt."""
+        """Step `step`'s samples: `samples_per_prompt` completions of each example's prompt, and
+        their rewards. With dynamic sampling, groups whose rewards are all equal are dropped and
+        more prompts (the sampler's next batches) generated until the step has prompts_per_step
+        groups or `max_rounds` more rounds ran."""
+        cfg = self.job.rollout
+        first = rollout = self._generate_groups(step, examples)
+        if cfg.dynamic_sampling is None:
+            return rollout
+        n, want, rounds, uniform = cfg.samples_per_prompt, cfg.prompts_per_step, 0, 0
+        kept = None
+        while True:
+            varied = [g for g in range(len(rollout.examples)) if len(set(rollout.rewards[g * n : (g + 1) * n])) > 1]
+            uniform += len(rollout.examples) - len(varied)
+            part = select_groups(rollout, varied, n)
+            kept = part if kept is None else _joined(kept, part)
+            if len(kept.examples) >= want or rounds == cfg.dynamic_sampling.max_rounds:
+                break
+            rounds += 1
+            rollout = self._generate_groups(step, self._sampler.next_batch())
+            kept.generate_s += rollout.generate_s
+        varied = min(want, len(kept.examples))
+        if not kept.examples:  # nothing varied: the first batch, whose advantages are all 0
+            kept = first
+        kept = select_groups(kept, list(range(min(want, len(kept.examples)))), n)
+        kept.metrics = {"groups_uniform": float(uniform), "generation_rounds": float(rounds + 1),
+                        "groups_trained": float(varied)}  # (groups whose rewards varied)
+        return kept
+
+    def _generate_groups(self, step: int, examples: list[Example]) -> Rollout:
         n = self.job.rollout.samples_per_prompt
         version = self.weights_version
         t0 = time.perf_counter()
         sampling = sampling_params(self.job.rollout.sampling, n=n, seed=self._rng.randrange(2**31))
         prompts = [self._prompt_text(e) for e in examples]
         completions = self.generate(prompts, sampling)
-        return Rollout(step, examples, prompts, completions, time.perf_counter() - t0, version)
+        generated = time.perf_counter() - t0
+        rewards = [self._reward(c.text, e.answer, p, e.metadata)
+                   for e, p, group in zip(examples, prompts, _groups(completions, n)) for c in group]
+        return Rollout(step, examples, prompts, completions, generated, version, rewards)
 
     def learn(self, rollout: Rollout, extra: dict[str, float] | None = None) -> dict[str, float]:
         """Rewards, advantages, a train step and a weight sync on one step's samples; the step's
@@ -475,10 +506,7 @@ class RLLoop:
         step, examples, prompts, completions = rollout.step, rollout.examples, rollout.prompts, rollout.completions
         n = job.rollout.samples_per_prompt
         t1 = time.perf_counter()
-        rewards = torch.tensor(
-            [self._reward(c.text, e.answer, p, e.metadata)
-             for e, p, group in zip(examples, prompts, _groups(completions, n)) for c in group]
-        ).view(len(examples), n)  # [P, n]
+        rewards = torch.tensor(rollout.rewards).view(len(examples), n)  # [P, n]
         if job.trainer.colocate:  # the engines' memory goes to the trainer while it trains
             self._on_engines(lambda e: e.release_memory(["kv_cache", "weights"]))
         trainer = self.trainers
@@ -528,6 +556,7 @@ class RLLoop:
             **({"kl_reward_mean": float(kl_reward.mean())} if kl_reward is not None else {}),
             "weights_version": float(self.weights_version),
             **critic_metrics,
+            **rollout.metrics,
             **(extra or {}),
             **{f"train/{k}": v for k, v in train_metrics.items()},
         }
@@ -656,6 +685,7 @@ class RLLoop:
             examples = open_dataset(job.data.train, job.data.columns)  # rows are read as batches are dealt
             self._reward = build_reward(job.reward)
             sampler = PromptSampler(examples, job.rollout.prompts_per_step, seed=job.seed, shuffle=job.data.shuffle)
+            self._sampler = sampler  # (dynamic sampling draws more batches from it)
             sampler.skip_batches(first - 1)  # the batches the steps up to the checkpoint drew, unread
             for _ in range(1, first):  # and their sampling seeds
                 self._rng.randrange(2**31)
@@ -773,6 +803,13 @@ class _Groups:
     def result(self) -> list[list[Completion]]:
         flat = self._pending.result()
         return [flat[i * self._n : (i + 1) * self._n] for i in range(self._prompts)]
+
+
+def _joined(a: Rollout, b: Rollout) -> Rollout:
+    """a's groups, then b's (as one step's samples; a's step and version, the older)."""
+    return replace(a, examples=a.examples + b.examples, prompts=a.prompts + b.prompts,
+                   completions=a.completions + b.completions, rewards=a.rewards + b.rewards,
+                   version=min(a.version, b.version))
 
 
 def _groups(completions: list[Completion], n: int) -> list[list[Completion]]:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Callable, Iterator
 
 from services.coordinator.clients import Completion
@@ -34,6 +34,8 @@ class Rollout:
     completions: list[Completion]
     generate_s: float
     version: int  # the weights' version when generation began (its tokens are from it or later)
+    rewards: list[float] = field(default_factory=list)  # one per completion
+    metrics: dict[str, float] = field(default_factory=dict)  # of its making (dynamic sampling)
 
 
 def oldest_version(completion: Completion) -> int:
@@ -53,12 +55,16 @@ def fresh_groups(rollout: Rollout, group_size: int, version: int, max_staleness:
             ages += group_ages
     if len(keep) == len(rollout.examples):
         return rollout, ages
-    return replace(
-        rollout,
-        examples=[rollout.examples[g] for g in keep],
-        prompts=[rollout.prompts[g] for g in keep],
-        completions=[c for g in keep for c in rollout.completions[g * group_size : (g + 1) * group_size]],
-    ), ages
+    return select_groups(rollout, keep, group_size), ages
+
+
+def select_groups(rollout: Rollout, groups: list[int], group_size: int) -> Rollout:
+    """`rollout` with only the groups (prompts and their samples) at indices `groups`."""
+    def samples(items: list) -> list:
+        return [x for g in groups for x in items[g * group_size : (g + 1) * group_size]]
+
+    return replace(rollout, examples=[rollout.examples[g] for g in groups], prompts=[rollout.prompts[g] for g in groups],
+                   completions=samples(rollout.completions), rewards=samples(rollout.rewards) if rollout.rewards else [])
 
 
 class _Stopped(Exception):

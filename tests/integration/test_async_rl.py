@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -71,3 +72,33 @@ def test_max_staleness_0_is_the_synchronous_job_bit_for_bit(fleet, tiny_model_di
         runs.append((steps, evals))
     assert runs[0] == runs[1]
     assert "staleness_max" not in runs[0][0][1]  # the synchronous loop, not the pipeline
+
+
+ARITH = Path(__file__).resolve().parents[2] / "examples/arith"
+
+
+@pytest.mark.parametrize("algorithm", ["", ", async: {max_staleness: 1}"], ids=["sync", "async"])
+def test_dynamic_sampling_refills_groups_whose_rewards_do_not_vary(fleet, tmp_path, algorithm):
+    """The arithmetic model gets some prompts all right or all wrong in a group of 4: those
+    groups are dropped and more prompts generated until the step has its 8 varied groups."""
+    job = textwrap.dedent(f"""
+        name: dynamic{'-async' if algorithm else ''}
+        seed: 2
+        model: {ARITH / 'model'}
+        num_rollout: 3
+        output_dir: {tmp_path / 'out'}
+        rollout: {{prompts_per_step: 8, samples_per_prompt: 4, sampling: {{temperature: 1.0, max_new_tokens: 5}},
+                   dynamic_sampling: {{max_rounds: 6}}}}
+        data: {{train: {ARITH / 'data/train.jsonl'}}}
+        eval: {{every: 0, datasets: [{{name: h, path: {ARITH / 'data/test.jsonl'}, limit: 8,
+                                       sampling: {{temperature: 0.0, max_new_tokens: 5}}}}]}}
+        trainer: {{optimizer: {{lr: 1.0e-4}}}}
+        algorithm: {{advantage: grpo{algorithm}}}
+        """)
+    final, events = run_job(addresses(fleet)["coordinator"], job, timeout_s=180)
+    assert final.state == coordinator_pb2.JOB_STATE_SUCCEEDED, final.error
+    steps = _steps(events)
+    assert all(m["groups_trained"] == 8 and m["samples"] == 32 for m in steps.values()), steps
+    assert sum(m["groups_uniform"] for m in steps.values()) > 0  # some were dropped ...
+    assert any(m["generation_rounds"] > 1 for m in steps.values())  # ... and refilled
+    assert all(m["reward_std"] > 0 for m in steps.values())

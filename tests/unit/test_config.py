@@ -532,6 +532,9 @@ def test_async_is_a_section_of_the_algorithm_and_absent_is_the_synchronous_loop(
     ({"algorithm": {"async": {"correction": "importance"}}}, "algorithm.async.correction: expected one of"),
     ({"algorithm": {"async": {}}, "trainer": {"colocate": True}}, "algorithm.async: asynchronous RL keeps engines"),
     ({"algorithm": {"advantage": "ppo", "async": {}}}, "algorithm.async: asynchronous RL is not built for PPO"),
+    ({"rollout": {"samples_per_prompt": 1, "dynamic_sampling": {}}, "algorithm": {"advantage": "reinforce_pp"}},
+     "rollout.dynamic_sampling: needs samples_per_prompt >= 2"),
+    ({"rollout": {"dynamic_sampling": {"max_rounds": 0}}}, "rollout.dynamic_sampling.max_rounds: must be in [1, 64]"),
 ])
 def test_bad_async_settings_name_the_field(overrides, message):
     assert message in error_of(overrides)
