@@ -37,7 +37,7 @@ from services.rollout.builtin import cublaslt, sampling
 from services.rollout.builtin.attention_kernels import _decode_attention_kernel, _qk_rope_cache_kernel
 from services.rollout.builtin.linear_kernels import (SKINNY_BLOCK_M, SKINNY_MAX_BLOCK_M, _skinny_linear_kernel,
                                                      _tile_linear_kernel)
-from services.rollout.builtin.ops import TorchOps
+from services.rollout.builtin.ops import TorchOps, context_attention_as_decode
 from services.rollout.builtin.pointwise_kernels import _add_rmsnorm_kernel, _silu_mul_kernel
 from services.rollout.builtin.prefill_attention import prefill_attention
 from services.rollout.builtin.sampling_kernels import (_sample_chunk_kernel, _sample_merge_kernel,
@@ -183,6 +183,12 @@ class TritonOps(TorchOps):
 
     def decode_attention(self, q, k_cache, v_cache, block_tables, seq_lens, block_size, num_splits):
         return self._attention(q, k_cache, v_cache, block_tables, seq_lens - 1, block_size, num_splits)
+
+    def context_attention(self, q, k_cache, v_cache, block_tables, starts, lengths, block_size):
+        # A prefill after a prefix-cache hit: each suffix token a query of the paged decode kernel,
+        # which reads the cached prefix where it is (torch's way gathers it into a dense copy first).
+        return context_attention_as_decode(self.decode_attention, q, k_cache, v_cache, block_tables, starts, lengths,
+                                           block_size)
 
     def rope_decode_attention(self, q, k, v, q_norm, k_norm, eps, table, positions, k_cache, v_cache, block_tables,
                               block_size, num_splits):
