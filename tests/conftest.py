@@ -15,13 +15,14 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 CHARS = "0123456789+-= "
 
 
-def make_tiny_model(directory: Path, *, seed: int = 0, architecture: str = "qwen3", **shape) -> Path:
+def make_tiny_model(directory: Path, *, seed: int = 0, architecture: str = "qwen3", chars: str = CHARS,
+                    **shape) -> Path:
     """A random char-level model in Hugging Face format; `shape` overrides ModelConfig fields."""
     import torch
 
     from services.models import DecoderLM, ModelConfig, init_weights, make_char_tokenizer, save_hf_dir
 
-    tokenizer = make_char_tokenizer(CHARS)
+    tokenizer = make_char_tokenizer(chars)
     fields = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=8, max_position_embeddings=64, tie_word_embeddings=True)
     config = ModelConfig(

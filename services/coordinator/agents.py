@@ -1,0 +1,209 @@
+"""Multi-turn episodes over token ids: environments, tool calls and the agent loop.
+
+An `Environment` turns a data row into a first observation (`reset`) and answers each of the
+model's turns (`step`) with an observation, a reward and whether the episode is done. The agent
+loop (`run_episodes`) keeps each episode as one sequence of token ids: the prompt, then each
+assistant turn exactly as the engine sampled it, then each observation's tokens. Nothing
+generated is decoded and encoded again, so the tokens the trainer scores are the tokens the
+engine sampled, with the engine's logprobs. The loss mask is 1 on assistant tokens and 0 on
+prompt and observation tokens. All live episodes take their next turn together, so one
+engine call (one running batch) holds every episode's turn, and with the prefix cache each
+turn prefills only what the last observation added.
+
+Built in: `SingleTurn` (a prompt and a reward function: one turn), and `Calculator` (tool calls
+in the Hermes / Qwen format, `<tool_call>{"name": "calculator", "arguments": {"expression":
+"12*7"}}</tool_call>`, answered with `<tool_response>84</tool_response>`; a turn without a
+tool call is the final answer). docs/agents.md has the formats and the limits.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import math
+import operator
+import re
+from dataclasses import dataclass, field
+from typing import Callable, Protocol
+
+from services.coordinator.clients import Completion
+from services.coordinator.datasets import Example
+
+TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+TOOL_CALL_END = "</tool_call>"
+MAX_EXPRESSION_CHARS = 200
+MAX_MAGNITUDE = 1e15
+
+
+@dataclass(frozen=True)
+class Observation:
+    text: str  # what the model reads next ("" when done)
+    reward: float = 0.0  # this turn's reward (the final one when done)
+    done: bool = False
+
+
+class Environment(Protocol):
+    def reset(self, example: Example) -> str:
+        """The episode's first observation: the prompt text."""
+
+    def step(self, action: str) -> Observation:
+        """The model's turn (its text, a tool call's closing tag included) -> what comes next."""
+
+
+class SingleTurn:
+    """Today's single-turn task as an environment: the prompt, then one turn scored by `reward`."""
+
+    def __init__(self, reward: Callable[[str, str, str, dict], float], prompt: Callable[[Example], str]):
+        self._reward, self._prompt = reward, prompt
+        self._example: Example | None = None
+        self._prompt_text = ""
+
+    def reset(self, example: Example) -> str:
+        self._example, self._prompt_text = example, self._prompt(example)
+        return self._prompt_text
+
+    def step(self, action: str) -> Observation:
+        e = self._example
+        return Observation("", self._reward(action, e.answer, self._prompt_text, e.metadata), done=True)
+
+
+class Calculator:
+    """Arithmetic with a calculator tool. A turn holding a `calculator` tool call is answered with
+    its result (or an error the model can read); a turn without one is the final answer, scored 1
+    if it equals the row's answer (stripped). At most `max_calls` calls an episode: the next turn
+    must answer."""
+
+    def __init__(self, max_calls: int = 4):
+        self.max_calls = max_calls
+        self.calls = 0
+        self._answer = ""
+
+    def reset(self, example: Example) -> str:
+        self._answer, self.calls = example.answer.strip(), 0
+        return example.prompt or ""
+
+    def step(self, action: str) -> Observation:
+        match = TOOL_CALL.search(action)
+        if match is None or self.calls >= self.max_calls:
+            final = TOOL_CALL.sub("", action).strip()
+            return Observation("", float(final == self._answer), done=True)
+        self.calls += 1
+        try:
+            call = json.loads(match.group(1))
+            if not isinstance(call, dict) or call.get("name") != "calculator":
+                raise ValueError(f"unknown tool {call.get('name') if isinstance(call, dict) else call!r}")
+            arguments = call.get("arguments")
+            if not isinstance(arguments, dict) or not isinstance(arguments.get("expression"), str):
+                raise ValueError('arguments: expected {"expression": "..."}')
+            result = format_number(evaluate_arithmetic(arguments["expression"]))
+        except (ValueError, ZeroDivisionError, json.JSONDecodeError) as e:
+            result = f"error: {e}"
+        return Observation(f"<tool_response>{result}</tool_response>")
+
+
+_OPERATORS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
+              ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow}
+
+
+def evaluate_arithmetic(expression: str) -> float:
+    """The value of an arithmetic expression: numbers, + - * / // % **, unary signs and
+    parentheses, nothing else (no names, calls or attributes: ValueError). Bounded: at most
+    MAX_EXPRESSION_CHARS characters, exponents at most 64, every value within MAX_MAGNITUDE."""
+    if len(expression) > MAX_EXPRESSION_CHARS:
+        raise ValueError(f"expression longer than {MAX_EXPRESSION_CHARS} characters")
+    try:
+        tree = ast.parse(expression.strip(), mode="eval")
+    except SyntaxError as e:
+        raise ValueError(f"not an arithmetic expression: {e.msg}") from None
+
+    def value(node: ast.AST) -> float:
+        if isinstance(node, ast.Constant) and type(node.value) in (int, float):
+            out = node.value
+        elif isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
+            out = -value(node.operand) if isinstance(node.op, ast.USub) else value(node.operand)
+        elif isinstance(node, ast.BinOp) and type(node.op) in _OPERATORS:
+            left, right = value(node.left), value(node.right)
+            if isinstance(node.op, ast.Pow) and abs(right) > 64:
+                raise ValueError("exponent larger than 64")
+            out = _OPERATORS[type(node.op)](left, right)
+        else:
+            raise ValueError(f"not allowed in an expression: {type(node).__name__}")
+        if isinstance(out, complex) or not math.isfinite(out) or abs(out) > MAX_MAGNITUDE:
+            raise ValueError("result out of range")
+        return out
+
+    return value(tree.body)
+
+
+def format_number(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else f"{x:.6g}"
+
+
+@dataclass
+class Episode:
+    """One episode as the trainer sees it: ids[:prompt_len] the prompt, the rest response tokens
+    with their loss mask (1: sampled by the engine) and logprobs (the engine's; 0 elsewhere)."""
+
+    ids: list[int]
+    prompt_len: int
+    mask: list[float] = field(default_factory=list)  # one per token after the prompt
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)  # weight version of each sampled turn's first token
+    reward: float = 0.0
+    turns: int = 0
+    tool_calls: int = 0
+    done: bool = False
+    truncated: bool = False  # ended by the turn or token limit, not by the environment
+
+    @property
+    def response_ids(self) -> list[int]:
+        return self.ids[self.prompt_len :]
+
+
+GenerateIds = Callable[[list[list[int]], int], list[Completion]]  # (prompts' ids, max_new_tokens) -> one each
+
+
+def run_episodes(envs: list[Environment], examples: list[Example], tokenizer, generate: GenerateIds, *,
+                 max_new_tokens: int, max_turns: int, max_tokens: int) -> list[Episode]:
+    """Run one episode per (environment, example) to its end, every live episode's turn in one
+    `generate` call. An episode ends when its environment says so, after `max_turns` turns, or
+    when its sequence reaches `max_tokens` (then `truncated`, with reward 0)."""
+    episodes = []
+    for env, example in zip(envs, examples):
+        ids = tokenizer.encode(env.reset(example))
+        episodes.append(Episode(ids=ids, prompt_len=len(ids)))
+    while True:
+        live = [i for i, ep in enumerate(episodes) if not ep.done]
+        if not live:
+            return episodes
+        budgets = [min(max_new_tokens, max_tokens - len(episodes[i].ids)) for i in live]
+        for i, budget in zip(live, budgets):
+            if budget <= 0:
+                episodes[i].done = episodes[i].truncated = True
+        live = [i for i, budget in zip(live, budgets) if budget > 0]
+        if not live:
+            return episodes
+        completions = generate([episodes[i].ids for i in live], min(b for b in budgets if b > 0))
+        for i, completion in zip(live, completions):
+            ep, env = episodes[i], envs[i]
+            ep.ids += completion.output_ids  # as sampled: never decoded and encoded again
+            ep.mask += [1.0] * len(completion.output_ids)
+            ep.logprobs += completion.logprobs
+            ep.versions.append(completion.weight_version)
+            ep.turns += 1
+            action = tokenizer.decode(completion.output_ids)
+            if TOOL_CALL.search(action):
+                ep.tool_calls += 1
+            observation = env.step(action)
+            ep.reward = observation.reward
+            if observation.done:
+                ep.done = True
+                continue
+            seen = tokenizer.encode(observation.text)
+            if ep.turns >= max_turns or len(ep.ids) + len(seen) >= max_tokens:
+                ep.done = ep.truncated = True
+                ep.reward = 0.0
+                continue
+            ep.ids += seen
+            ep.mask += [0.0] * len(seen)
+            ep.logprobs += [0.0] * len(seen)

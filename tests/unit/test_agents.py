@@ -1,0 +1,155 @@
+"""Multi-turn episodes over token ids (`services.coordinator.agents`): the calculator tool and its
+bounds, and the agent loop with a real engine and a real trainer: assistant tokens are the
+engine's sampled ids, observation tokens carry loss mask 0, and the trainer's logprobs of the
+multi-turn sequences equal the engine's."""
+
+from __future__ import annotations
+
+import string
+
+import pytest
+import torch
+
+from services.coordinator.agents import (Calculator, Episode, Observation, SingleTurn, evaluate_arithmetic,
+                                         run_episodes)
+from services.coordinator.clients import Completion
+from services.coordinator.datasets import Example
+from services.rollout.engine import RolloutEngine, RolloutSettings
+from services.rollout.types import Sampling
+from services.trainer.batch import Sample
+from services.trainer.settings import TrainerSettings
+from services.trainer.torch_backend import TorchTrainer
+from tests.conftest import make_tiny_model
+
+torch.set_num_threads(1)
+CHARS = string.ascii_letters + string.digits + " <>/{}[]\":,_+-*=().?"
+
+
+@pytest.fixture(scope="module")
+def chat_model_dir(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("agent-model"), chars=CHARS, max_position_embeddings=256,
+                           architecture="qwen2")
+
+
+@pytest.mark.parametrize("expression, value", [("12*7", 84), ("(3+4)*-2", -14), ("7/2", 3.5), ("2**10", 1024),
+                                               ("17 // 5 + 17 % 5", 5)])
+def test_the_calculator_evaluates_arithmetic(expression, value):
+    assert evaluate_arithmetic(expression) == value
+
+
+@pytest.mark.parametrize("expression, message", [
+    ("__import__('os').system('id')", "not allowed in an expression: Call"),
+    ("x + 1", "not allowed in an expression: Name"),
+    ("(1).real", "not allowed in an expression: Attribute"),
+    ("9**99", "exponent larger than 64"),
+    ("10**20*10**20", "result out of range"),
+    ("1" * 201, "longer than 200"),
+    ("1 +", "not an arithmetic expression"),
+])
+def test_the_calculator_refuses_anything_else_by_name(expression, message):
+    with pytest.raises(ValueError, match=message):
+        evaluate_arithmetic(expression)
+
+
+def test_a_calculator_episode_answers_tool_calls_and_scores_the_final_answer():
+    env = Calculator(max_calls=2)
+    assert env.reset(Example(prompt="What is 12*7?", answer="84", index=0)) == "What is 12*7?"
+    call = '<tool_call>{"name": "calculator", "arguments": {"expression": "12*7"}}</tool_call>'
+    assert env.step("Let me compute. " + call) == Observation("<tool_response>84</tool_response>")
+    assert env.step("<tool_call>{not json}</tool_call>").text.startswith("<tool_response>error: ")
+    assert env.step(call) == Observation("", 0.0, done=True)  # a third call: past max_calls, scored as it is
+    env.reset(Example(prompt="q", answer="84", index=0))
+    assert env.step(" 84 ") == Observation("", 1.0, done=True)
+    assert env.step('<tool_call>{"name": "shell", "arguments": {}}</tool_call>').text == (
+        "<tool_response>error: unknown tool 'shell'</tool_response>")
+
+
+class _Scripted:
+    """Answers the first `turns - 1` turns with a fixed tool response, then ends with reward 1."""
+
+    def __init__(self, turns: int):
+        self.turns, self.seen = turns, 0
+
+    def reset(self, example):
+        self.seen = 0
+        return example.prompt
+
+    def step(self, action):
+        self.seen += 1
+        if self.seen >= self.turns:
+            return Observation("", 1.0, done=True)
+        return Observation(" <tool_response>42</tool_response> ")
+
+
+def _engine_generate(engine: RolloutEngine):
+    def generate(prompts_ids, max_new_tokens):
+        sampling = Sampling(temperature=1.0, max_new_tokens=max_new_tokens, seed=11, ignore_eos=True)
+        results, _ = engine.generate(prompts_ids, sampling)
+        return [Completion(prompt_index=g.prompt_index, prompt_ids=g.prompt_ids, output_ids=g.output_ids, text=g.text,
+                           logprobs=g.logprobs, finish_reason=g.finish_reason, weight_version=0) for g in results]
+    return generate
+
+
+def test_multi_turn_episodes_keep_the_sampled_tokens_and_the_trainer_scores_them_as_the_engine(chat_model_dir):
+    engine = RolloutEngine(RolloutSettings(model_path=str(chat_model_dir), seed=0))
+    tokenizer = engine.tokenizer
+    calls = []
+    generate = _engine_generate(engine)
+
+    def recording(prompts_ids, max_new_tokens):
+        out = generate(prompts_ids, max_new_tokens)
+        calls.append([list(c.output_ids) for c in out])
+        return out
+
+    examples = [Example(prompt=f"What is {i}*6?", answer=str(6 * i), index=i) for i in range(6)]
+    envs = [_Scripted(turns=3) for _ in examples]
+    episodes = run_episodes(envs, examples, tokenizer, recording, max_new_tokens=12, max_turns=5, max_tokens=200)
+    engine.close()
+    assert len(calls) == 3 and all(len(c) == 6 for c in calls)  # every episode's turn in one call
+    observation = tokenizer.encode(" <tool_response>42</tool_response> ")
+    for k, ep in enumerate(episodes):
+        assert ep.done and not ep.truncated and ep.turns == 3 and ep.reward == 1.0
+        # response = turn 1, observation, turn 2, observation, turn 3: the turns as sampled
+        expected = calls[0][k] + observation + calls[1][k] + observation + calls[2][k]
+        assert ep.response_ids == expected
+        mask = [1.0] * len(calls[0][k]) + [0.0] * len(observation) + [1.0] * len(calls[1][k]) + \
+            [0.0] * len(observation) + [1.0] * len(calls[2][k])
+        assert ep.mask == mask and len(ep.logprobs) == len(mask)
+    trainer = TorchTrainer(TrainerSettings(model_path=str(chat_model_dir)))
+    scored, _ = trainer.compute_logprobs("actor", [Sample(prompt_ids=ep.ids[: ep.prompt_len],
+                                                          response_ids=ep.response_ids) for ep in episodes])
+    gaps = [abs(a - b) for ep, lps in zip(episodes, scored) for a, b, m in zip(ep.logprobs, lps, ep.mask) if m]
+    assert len(gaps) > 6 * 20 and max(gaps) < 1e-3
+
+
+def test_episodes_end_at_the_turn_and_token_limits():
+    class Forever:
+        def reset(self, example):
+            return "go"
+
+        def step(self, action):
+            return Observation("more")
+
+    class Tokens:
+        def encode(self, text):
+            return [ord(c) for c in text]
+
+        def decode(self, ids):
+            return "".join(chr(i) for i in ids)
+
+    def generate(prompts_ids, max_new_tokens):
+        return [Completion(0, p, [65] * max_new_tokens, "", [-1.0] * max_new_tokens, "length", 0) for p in prompts_ids]
+
+    by_turns = run_episodes([Forever()], [Example("go", "", 0)], Tokens(), generate, max_new_tokens=3, max_turns=2,
+                            max_tokens=100)[0]
+    assert by_turns.truncated and by_turns.turns == 2 and by_turns.reward == 0.0
+    by_tokens = run_episodes([Forever()], [Example("go", "", 0)], Tokens(), generate, max_new_tokens=3, max_turns=50,
+                             max_tokens=20)[0]
+    assert by_tokens.truncated and len(by_tokens.ids) <= 20
+
+
+def test_a_single_turn_environment_is_todays_prompt_and_reward():
+    env = SingleTurn(lambda text, answer, prompt, meta: float(text.strip() == answer), lambda e: e.prompt)
+    assert env.reset(Example("2+2=", "4", 0)) == "2+2="
+    assert env.step("4") == Observation("", 1.0, done=True)
+    assert isinstance(Episode(ids=[1], prompt_len=1).response_ids, list)
