@@ -73,14 +73,15 @@ class Calculator:
     if it equals the row's answer (stripped). At most `max_calls` calls an episode: the next turn
     must answer."""
 
-    def __init__(self, max_calls: int = 4):
+    def __init__(self, max_calls: int = 4, prompt: Callable[[Example], str] | None = None):
         self.max_calls = max_calls
         self.calls = 0
         self._answer = ""
+        self._prompt = prompt or (lambda example: example.prompt or "")
 
     def reset(self, example: Example) -> str:
         self._answer, self.calls = example.answer.strip(), 0
-        return example.prompt or ""
+        return self._prompt(example)
 
     def step(self, action: str) -> Observation:
         match = TOOL_CALL.search(action)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import grpc
@@ -37,6 +37,7 @@ class Completion:
     finish_reason: str
     weight_version: int  # of its first token
     versions: tuple[tuple[int, int], ...] = ()  # (weight version, tokens) runs over output_ids, where reported
+    loss_mask: list[float] = field(default_factory=list)  # per output token (an episode's: 0 on observations); empty: all 1
 
 
 class _Client:
@@ -277,13 +278,16 @@ class RolloutClient(_Client):
         priority: str = "train",
     ) -> Pending:
         """`generate` started and not waited for (many engines' calls without a thread each);
-        `result()` is the completions."""
+        `result()` is the completions. `prompts` are texts, or token ids."""
         request = rollout_pb2.GenerateRequest(
-            prompts=prompts,
             sampling=sampling,
             return_logprobs=return_logprobs,
             priority=rollout_pb2.PRIORITY_EVAL if priority == "eval" else rollout_pb2.PRIORITY_TRAIN,
         )
+        if prompts and not isinstance(prompts[0], str):  # token ids (an episode's sequence so far)
+            request.input_ids.extend(rollout_pb2.TokenIds(ids=ids) for ids in prompts)
+        else:
+            request.prompts.extend(prompts)
         reasons = {rollout_pb2.FINISH_REASON_STOP: "stop", rollout_pb2.FINISH_REASON_LENGTH: "length"}
         with self._call("Generate"):
             future = self._stub.Generate.future(request, timeout=self.deadline_s)

@@ -669,6 +669,31 @@ class TrackingConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class AgentConfig:
+    """Multi-turn episodes: the model acts in an environment over several turns
+    (docs/agents.md). Absent: one completion per sample, scored by `reward`.
+
+    Attributes:
+        environment: calculator (tool calls in the Hermes / Qwen <tool_call> format answered by
+            an arithmetic evaluator; the final answer is scored by exact match against the row's
+            answer).
+        max_turns: assistant turns an episode may take; one still going then scores 0.
+        max_tokens: prompt, turns and observations an episode may hold, in tokens.
+        max_tool_calls: tool calls an episode may make; the turn after the last must answer.
+    """
+
+    environment: Literal["calculator"] = "calculator"
+    max_turns: int = 4
+    max_tokens: int = 512
+    max_tool_calls: int = 3
+
+    def __post_init__(self) -> None:
+        _check(1 <= self.max_turns <= 64, "max_turns", f"must be in [1, 64], got {self.max_turns}")
+        _check(2 <= self.max_tokens <= 1 << 20, "max_tokens", f"must be in [2, 1048576], got {self.max_tokens}")
+        _check(0 <= self.max_tool_calls <= 64, "max_tool_calls", f"must be in [0, 64], got {self.max_tool_calls}")
+
+
+@dataclass(frozen=True, kw_only=True)
 class JobConfig:
     """One RL post-training job (or, with num_rollout 0, one evaluation of a checkpoint).
 
@@ -689,6 +714,7 @@ class JobConfig:
         checkpoint: periodic checkpoints.
         sft: optional supervised warm-up stage before RL; null = none.
         tracking: optional experiment trackers (TensorBoard, W&B).
+        agent: multi-turn episodes in an environment (see AgentConfig); null = single-turn.
     """
 
     name: str
@@ -707,6 +733,7 @@ class JobConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     sft: SftConfig | None = None
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    agent: AgentConfig | None = None
 
     def __post_init__(self) -> None:
         _check(

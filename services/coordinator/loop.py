@@ -7,6 +7,7 @@ loop owns no gRPC, files or threads beyond fanning calls out to several engines 
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import threading
 import time
@@ -175,6 +176,7 @@ class RLLoop:
         ]
         # Conversations become prompt text here, with the model's chat template (its tokenizer files).
         self._chat = load_tokenizer(job.model) if job.data.messages_key is not None else None
+        self._tokenizer = load_tokenizer(job.model) if job.agent is not None else None  # episodes are token ids
         if self._chat is not None and not self._chat.chat_template:  # fail before any worker is configured
             raise ValueError(f"data.messages_key: {job.model} has no chat template to render conversations with")
 
@@ -484,6 +486,8 @@ class RLLoop:
         return kept
 
     def _generate_groups(self, step: int, examples: list[Example]) -> Rollout:
+        if self.job.agent is not None:
+            return self._episodes(step, examples)
         n = self.job.rollout.samples_per_prompt
         version = self.weights_version
         t0 = time.perf_counter()
@@ -494,6 +498,39 @@ class RLLoop:
         rewards = [self._reward(c.text, e.answer, p, e.metadata)
                    for e, p, group in zip(examples, prompts, _groups(completions, n)) for c in group]
         return Rollout(step, examples, prompts, completions, generated, version, rewards)
+
+    def _episodes(self, step: int, examples: list[Example]) -> Rollout:
+        """`samples_per_prompt` multi-turn episodes of each example (`agents.run_episodes`), every
+        live episode's turn spread over the engines in one round; each episode becomes one
+        completion: its turns and observations as token ids, loss mask 0 on the observations."""
+        from services.coordinator import agents
+
+        cfg, agent = self.job.rollout, self.job.agent
+        n, version, t0 = cfg.samples_per_prompt, self.weights_version, time.perf_counter()
+        repeated = [e for e in examples for _ in range(n)]
+        envs = [agents.Calculator(max_calls=agent.max_tool_calls, prompt=self._prompt_text) for _ in repeated]
+        stops = tuple(dict.fromkeys((*cfg.sampling.stop, agents.TOOL_CALL_END)))
+
+        def generate(prompts_ids: list[list[int]], max_new_tokens: int) -> list[Completion]:
+            turn = dataclasses.replace(cfg.sampling, max_new_tokens=max_new_tokens, stop=stops)
+            return self.generate(prompts_ids, sampling_params(turn, seed=self._rng.randrange(2**31)))
+
+        episodes = agents.run_episodes(envs, repeated, self._tokenizer, generate, max_new_tokens=cfg.sampling.max_new_tokens,
+                                       max_turns=agent.max_turns, max_tokens=agent.max_tokens)
+        completions = [Completion(prompt_index=i, prompt_ids=ep.ids[: ep.prompt_len], output_ids=ep.response_ids,
+                                  text=self._tokenizer.decode(ep.response_ids), logprobs=ep.logprobs,
+                                  finish_reason="length" if ep.truncated else "stop",
+                                  weight_version=min(ep.versions, default=version), loss_mask=ep.mask)
+                       for i, ep in enumerate(episodes)]
+        rollout = Rollout(step, examples, [self._prompt_text(e) for e in examples], completions,
+                          time.perf_counter() - t0, version, [ep.reward for ep in episodes])
+        rollout.metrics = {
+            "tool_call_frac": sum(ep.tool_calls > 0 for ep in episodes) / len(episodes),
+            "tool_calls_mean": sum(ep.tool_calls for ep in episodes) / len(episodes),
+            "turns_mean": sum(ep.turns for ep in episodes) / len(episodes),
+            "episodes_truncated_frac": sum(ep.truncated for ep in episodes) / len(episodes),
+        }
+        return rollout
 
     def learn(self, rollout: Rollout, extra: dict[str, float] | None = None) -> dict[str, float]:
         """Rewards, advantages, a train step and a weight sync on one step's samples; the step's
@@ -525,6 +562,7 @@ class RLLoop:
                     response_ids=c.output_ids,
                     advantage=adv,
                     old_logprobs=c.logprobs,
+                    loss_mask=c.loss_mask,
                 )
                 for c, adv in zip(completions, advantages.tolist())  # (floats: not a 0-d tensor each)
                 if c.output_ids

@@ -102,3 +102,38 @@ def test_dynamic_sampling_refills_groups_whose_rewards_do_not_vary(fleet, tmp_pa
     assert sum(m["groups_uniform"] for m in steps.values()) > 0  # some were dropped ...
     assert any(m["generation_rounds"] > 1 for m in steps.values())  # ... and refilled
     assert all(m["reward_std"] > 0 for m in steps.values())
+
+
+def test_an_agent_job_runs_calculator_episodes_through_the_coordinator(fleet, tmp_path_factory, tmp_path):
+    """A job with `agent`: every sample is an episode over token ids (a random model mostly
+    answers at once; tests/unit/test_agents.py drives multi-turn episodes), trained with its loss
+    mask, synchronously and with async."""
+    import string
+
+    from tests.conftest import make_tiny_model
+
+    chars = string.ascii_letters + string.digits + " <>/{}[]\":,_+-*=().?"
+    model = make_tiny_model(tmp_path_factory.mktemp("agent-model"), chars=chars, max_position_embeddings=256)
+    rows = [{"prompt": f"What is {a}*{b}?", "answer": str(a * b)} for a in range(2, 9) for b in range(2, 9)]
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    for algorithm in ("", ", async: {max_staleness: 1}"):
+        job = textwrap.dedent(f"""
+            name: agent{'-async' if algorithm else ''}
+            model: {model}
+            num_rollout: 3
+            output_dir: {tmp_path / ('out' + algorithm[:3])}
+            rollout: {{prompts_per_step: 4, samples_per_prompt: 2, sampling: {{max_new_tokens: 24}}}}
+            data: {{train: {data}}}
+            eval: {{every: 0, datasets: [{{name: h, path: {data}, limit: 4, sampling: {{temperature: 0.0, max_new_tokens: 4}}}}]}}
+            trainer: {{optimizer: {{lr: 0.01}}}}
+            agent: {{environment: calculator, max_turns: 3, max_tokens: 120, max_tool_calls: 2}}
+            algorithm: {{advantage: grpo{algorithm}}}
+            """)
+        final, events = run_job(addresses(fleet)["coordinator"], job, timeout_s=180)
+        assert final.state == coordinator_pb2.JOB_STATE_SUCCEEDED, final.error
+        steps = _steps(events)
+        assert sorted(steps) == [1, 2, 3]
+        for m in steps.values():
+            assert m["samples"] == 8 and 1 <= m["turns_mean"] <= 3 and 0 <= m["tool_call_frac"] <= 1
+            assert m["train/rollout_logprob_gap_max"] < 1e-3  # scored as the engine sampled them

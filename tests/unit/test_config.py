@@ -97,6 +97,7 @@ weight_sync:
 checkpoint: {every: 0, dir: null}
 sft: null
 tracking: {tensorboard: false, wandb: null}
+agent: null
 """
 
 MINIMAL = {"name": "job", "model": "model", "num_rollout": 5, "data": {"train": "data/train.jsonl"}}
@@ -538,3 +539,11 @@ def test_async_is_a_section_of_the_algorithm_and_absent_is_the_synchronous_loop(
 ])
 def test_bad_async_settings_name_the_field(overrides, message):
     assert message in error_of(overrides)
+
+
+def test_agent_is_an_optional_section_and_bad_limits_are_named():
+    assert parse().agent is None
+    cfg = parse({"agent": {"max_turns": 6}})
+    assert cfg.agent.environment == "calculator" and cfg.agent.max_turns == 6
+    assert "agent.max_turns: must be in [1, 64]" in error_of({"agent": {"max_turns": 0}})
+    assert "agent.environment: expected one of 'calculator'" in error_of({"agent": {"environment": "shell"}})
