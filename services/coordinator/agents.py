@@ -13,7 +13,7 @@ turn prefills only what the last observation added.
 Built in: `SingleTurn` (a prompt and a reward function: one turn), and `Calculator` (tool calls
 in the Hermes / Qwen format, `<tool_call>{"name": "calculator", "arguments": {"expression":
 "12*7"}}</tool_call>`, answered with `<tool_response>84</tool_response>`; a turn without a
-tool call is the final answer). docs/agents.md has the formats and the limits.
+tool call is the final answer), which may also offer `python_tool` (code run in the sandbox). docs/agents.md has the formats and the limits.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import math
 import operator
 import re
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable, Protocol
 
 from services.coordinator.clients import Completion
@@ -73,11 +74,13 @@ class Calculator:
     if it equals the row's answer (stripped). At most `max_calls` calls an episode: the next turn
     must answer."""
 
-    def __init__(self, max_calls: int = 4, prompt: Callable[[Example], str] | None = None):
+    def __init__(self, max_calls: int = 4, prompt: Callable[[Example], str] | None = None,
+                 tools: dict[str, Callable[[dict], str]] | None = None):
         self.max_calls = max_calls
         self.calls = 0
         self._answer = ""
         self._prompt = prompt or (lambda example: example.prompt or "")
+        self.tools = {"calculator": calculator_tool, **(tools or {})}
 
     def reset(self, example: Example) -> str:
         self._answer, self.calls = example.answer.strip(), 0
@@ -91,15 +94,38 @@ class Calculator:
         self.calls += 1
         try:
             call = json.loads(match.group(1))
-            if not isinstance(call, dict) or call.get("name") != "calculator":
+            tool = self.tools.get(call.get("name")) if isinstance(call, dict) else None
+            if tool is None:
                 raise ValueError(f"unknown tool {call.get('name') if isinstance(call, dict) else call!r}")
-            arguments = call.get("arguments")
-            if not isinstance(arguments, dict) or not isinstance(arguments.get("expression"), str):
-                raise ValueError('arguments: expected {"expression": "..."}')
-            result = format_number(evaluate_arithmetic(arguments["expression"]))
+            if not isinstance(call.get("arguments"), dict):
+                raise ValueError("arguments: expected an object")
+            result = tool(call["arguments"])
         except (ValueError, ZeroDivisionError, json.JSONDecodeError) as e:
             result = f"error: {e}"
         return Observation(f"<tool_response>{result}</tool_response>")
+
+
+def calculator_tool(arguments: dict) -> str:
+    if not isinstance(arguments.get("expression"), str):
+        raise ValueError('arguments: expected {"expression": "..."}')
+    return format_number(evaluate_arithmetic(arguments["expression"]))
+
+
+def python_tool(folder: Path, *, timeout_s: float = 5.0, memory_mb: int = 256,
+                max_output: int = 2048) -> Callable[[dict], str]:
+    """A `python` tool: {"code": "..."} run in the sandbox (`sandbox.run_python`) in `folder`;
+    its output, cut at max_output characters and marked when cut or timed out."""
+    from services.coordinator.sandbox import run_python
+
+    def run(arguments: dict) -> str:
+        if not isinstance(arguments.get("code"), str):
+            raise ValueError('arguments: expected {"code": "..."}')
+        result = run_python(arguments["code"], folder, timeout_s=timeout_s, memory_mb=memory_mb,
+                            max_output=max_output)
+        notes = (" [timed out]" if result.timed_out else "") + (" [output cut]" if result.truncated else "")
+        return result.output + notes
+
+    return run
 
 
 _OPERATORS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,

@@ -676,13 +676,14 @@ class AgentConfig:
     Attributes:
         environment: calculator (tool calls in the Hermes / Qwen <tool_call> format answered by
             an arithmetic evaluator; the final answer is scored by exact match against the row's
-            answer).
+            answer), or python (the calculator and a python tool: {"code": ...} run in a
+            sandboxed child process, services/coordinator/sandbox.py).
         max_turns: assistant turns an episode may take; one still going then scores 0.
         max_tokens: prompt, turns and observations an episode may hold, in tokens.
         max_tool_calls: tool calls an episode may make; the turn after the last must answer.
     """
 
-    environment: Literal["calculator"] = "calculator"
+    environment: Literal["calculator", "python"] = "calculator"
     max_turns: int = 4
     max_tokens: int = 512
     max_tool_calls: int = 3

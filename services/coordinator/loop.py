@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -508,15 +509,23 @@ class RLLoop:
         cfg, agent = self.job.rollout, self.job.agent
         n, version, t0 = cfg.samples_per_prompt, self.weights_version, time.perf_counter()
         repeated = [e for e in examples for _ in range(n)]
-        envs = [agents.Calculator(max_calls=agent.max_tool_calls, prompt=self._prompt_text) for _ in repeated]
+        scratch = tempfile.TemporaryDirectory(prefix="rlfleet-tools-") if agent.environment == "python" else None
+        tools = (lambda i: {"python": agents.python_tool(Path(scratch.name) / str(i))}) if scratch else (lambda i: {})
+        envs = [agents.Calculator(max_calls=agent.max_tool_calls, prompt=self._prompt_text, tools=tools(i))
+                for i in range(len(repeated))]
         stops = tuple(dict.fromkeys((*cfg.sampling.stop, agents.TOOL_CALL_END)))
 
         def generate(prompts_ids: list[list[int]], max_new_tokens: int) -> list[Completion]:
             turn = dataclasses.replace(cfg.sampling, max_new_tokens=max_new_tokens, stop=stops)
             return self.generate(prompts_ids, sampling_params(turn, seed=self._rng.randrange(2**31)))
 
-        episodes = agents.run_episodes(envs, repeated, self._tokenizer, generate, max_new_tokens=cfg.sampling.max_new_tokens,
-                                       max_turns=agent.max_turns, max_tokens=agent.max_tokens)
+        try:
+            episodes = agents.run_episodes(envs, repeated, self._tokenizer, generate,
+                                           max_new_tokens=cfg.sampling.max_new_tokens, max_turns=agent.max_turns,
+                                           max_tokens=agent.max_tokens)
+        finally:
+            if scratch is not None:  # each episode's sandbox folder
+                scratch.cleanup()
         completions = [Completion(prompt_index=i, prompt_ids=ep.ids[: ep.prompt_len], output_ids=ep.response_ids,
                                   text=self._tokenizer.decode(ep.response_ids), logprobs=ep.logprobs,
                                   finish_reason="length" if ep.truncated else "stop",

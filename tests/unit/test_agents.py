@@ -153,3 +153,14 @@ def test_a_single_turn_environment_is_todays_prompt_and_reward():
     assert env.reset(Example("2+2=", "4", 0)) == "2+2="
     assert env.step("4") == Observation("", 1.0, done=True)
     assert isinstance(Episode(ids=[1], prompt_len=1).response_ids, list)
+
+
+def test_a_python_tool_call_runs_in_the_sandbox_and_its_output_is_the_observation(tmp_path):
+    from services.coordinator.agents import python_tool
+
+    env = Calculator(tools={"python": python_tool(tmp_path)})
+    env.reset(Example(prompt="q", answer="6", index=0))
+    call = '<tool_call>{"name": "python", "arguments": {"code": "print(2*3)"}}</tool_call>'
+    assert env.step(call) == Observation("<tool_response>6\n</tool_response>")
+    net = '<tool_call>{"name": "python", "arguments": {"code": "import socket; socket.socket()"}}</tool_call>'
+    assert "socket.__new__ is not allowed" in env.step(net).text
