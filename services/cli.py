@@ -67,6 +67,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from services.rollout.server import build_server
 
         server = build_server(address, token, metrics_port=args.metrics_port)
+    elif args.role == "environment":
+        from services.environment.server import build_server
+
+        if not args.module:
+            print("rlfleet: serve environment needs --module package.module:Class", file=sys.stderr)
+            return EXIT_CONFIG
+        try:
+            server = build_server(address, token, module=args.module)
+        except ValueError as e:
+            print(f"rlfleet: {e}", file=sys.stderr)
+            return EXIT_CONFIG
     else:
         from services.coordinator.discovery import DiscoveryError
         from services.coordinator.serve import build_coordinator
@@ -240,7 +251,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     serve = sub.add_parser("serve", help="run one service")
-    serve.add_argument("role", choices=["trainer", "rollout", "coordinator"])
+    serve.add_argument("role", choices=["trainer", "rollout", "coordinator", "environment"])
+    serve.add_argument("--module", default="",
+                       help="environment: the Environment class to serve, package.module:Class (docs/agents.md)")
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 in a pod)")
     serve.add_argument("--port", type=int, default=0, help="port to bind; 0 picks a free one")
     serve.add_argument("--token-file", help="require this bearer token (also: RLFLEET_TOKEN)")

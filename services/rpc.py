@@ -243,14 +243,20 @@ class _TokenMetadata(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInt
         return continuation(self._augment(details), request)
 
 
-def open_channel(address: str, token: str | None = None, tls: TlsConfig | None = None) -> grpc.Channel:
+def open_channel(address: str, token: str | None = None, tls: TlsConfig | None = None,
+                 max_receive_bytes: int | None = None) -> grpc.Channel:
     """A channel to `address` that adds the bearer token to every call: over TLS when the process
-    has TLS settings (`tls`, or the environment's: see services.tls), in plaintext otherwise."""
+    has TLS settings (`tls`, or the environment's: see services.tls), in plaintext otherwise.
+    `max_receive_bytes` bounds a reply's size (larger: RESOURCE_EXHAUSTED, nothing read)."""
     tls = tls if tls is not None else TlsConfig.from_env()
+    options = list(_CHANNEL_OPTIONS)
+    if max_receive_bytes is not None:
+        options = [o for o in options if o[0] != "grpc.max_receive_message_length"]
+        options.append(("grpc.max_receive_message_length", max_receive_bytes))
     if tls is not None and tls.ca is not None:
-        channel = grpc.secure_channel(address, tls.channel_credentials(), options=_CHANNEL_OPTIONS + tls.channel_options())
+        channel = grpc.secure_channel(address, tls.channel_credentials(), options=options + tls.channel_options())
     else:
-        channel = grpc.insecure_channel(address, options=_CHANNEL_OPTIONS)
+        channel = grpc.insecure_channel(address, options=options)
     if token:
         channel = grpc.intercept_channel(channel, _TokenMetadata(token))
     return channel

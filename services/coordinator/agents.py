@@ -166,6 +166,69 @@ def format_number(x: float) -> str:
     return str(int(x)) if float(x).is_integer() else f"{x:.6g}"
 
 
+class EnvironmentFailed(RuntimeError):
+    """An environment did not answer in time, answered too much, or failed: the episode is
+    dropped and counted, never scored."""
+
+
+class RemoteEnvironments:
+    """Episodes on an environment server (`rlfleet.v1.Environment`): `new()` is one episode's
+    Environment. One channel for all of them; every call has `timeout_s`; a reply over
+    `max_observation_bytes` is refused before it is read. A Reset that finds the server
+    unavailable is tried once more; a Step is not (it may have happened)."""
+
+    def __init__(self, address: str, token: str | None = None, *, timeout_s: float = 30.0,
+                 max_observation_bytes: int = 1 << 20):
+        from services import rpc
+        from services.api import environment_pb2_grpc
+
+        self.address, self.timeout_s, self.max_observation_bytes = address, timeout_s, max_observation_bytes
+        self._channel = rpc.open_channel(address, token, max_receive_bytes=max_observation_bytes + 1024)
+        self._stub = environment_pb2_grpc.EnvironmentStub(self._channel)
+
+    def new(self) -> _RemoteEpisode:
+        return _RemoteEpisode(self)
+
+    def call(self, name: str, request, *, retry: bool = False):
+        import grpc
+
+        for attempt in range(2 if retry else 1):
+            try:
+                return getattr(self._stub, name)(request, timeout=self.timeout_s)
+            except grpc.RpcError as e:
+                if retry and attempt == 0 and e.code() == grpc.StatusCode.UNAVAILABLE:
+                    continue
+                if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    raise EnvironmentFailed(f"environment {self.address} {name}: its reply is over "
+                                            f"{self.max_observation_bytes} bytes ({e.details()})") from None
+                raise EnvironmentFailed(f"environment {self.address} {name}: {e.code().name}: {e.details()}") from None
+
+    def close(self) -> None:
+        self._channel.close()
+
+
+class _RemoteEpisode:
+    def __init__(self, remote: RemoteEnvironments):
+        self._remote, self._episode = remote, ""
+
+    def reset(self, example: Example) -> str:
+        from services.api import environment_pb2
+
+        reply = self._remote.call("Reset", environment_pb2.ResetRequest(
+            prompt=example.prompt or "", answer=example.answer, index=example.index,
+            metadata_json=json.dumps(example.metadata, default=str)), retry=True)
+        self._episode = reply.episode_id
+        return reply.observation
+
+    def step(self, action: str) -> Observation:
+        from services.api import environment_pb2
+
+        reply = self._remote.call("Step", environment_pb2.StepRequest(episode_id=self._episode, action=action))
+        if not math.isfinite(reply.reward):
+            raise EnvironmentFailed(f"environment {self._remote.address} Step: reward {reply.reward} is not finite")
+        return Observation(reply.observation, reply.reward, reply.done)
+
+
 @dataclass
 class Episode:
     """One episode as the trainer sees it: ids[:prompt_len] the prompt, the rest response tokens
@@ -181,6 +244,7 @@ class Episode:
     tool_calls: int = 0
     done: bool = False
     truncated: bool = False  # ended by the turn or token limit, not by the environment
+    failed: str = ""  # why its environment failed (EnvironmentFailed): never trained on
 
     @property
     def response_ids(self) -> list[int]:
@@ -197,7 +261,11 @@ def run_episodes(envs: list[Environment], examples: list[Example], tokenizer, ge
     when its sequence reaches `max_tokens` (then `truncated`, with reward 0)."""
     episodes = []
     for env, example in zip(envs, examples):
-        ids = tokenizer.encode(env.reset(example))
+        try:
+            ids = tokenizer.encode(env.reset(example))
+        except (EnvironmentFailed, ValueError) as e:  # (ValueError: text the tokenizer cannot encode)
+            episodes.append(Episode(ids=[], prompt_len=0, done=True, failed=str(e)))
+            continue
         episodes.append(Episode(ids=ids, prompt_len=len(ids)))
     while True:
         live = [i for i, ep in enumerate(episodes) if not ep.done]
@@ -221,12 +289,20 @@ def run_episodes(envs: list[Environment], examples: list[Example], tokenizer, ge
             action = tokenizer.decode(completion.output_ids)
             if TOOL_CALL.search(action):
                 ep.tool_calls += 1
-            observation = env.step(action)
+            try:
+                observation = env.step(action)
+            except EnvironmentFailed as e:
+                ep.done, ep.failed, ep.reward = True, str(e), 0.0
+                continue
             ep.reward = observation.reward
             if observation.done:
                 ep.done = True
                 continue
-            seen = tokenizer.encode(observation.text)
+            try:
+                seen = tokenizer.encode(observation.text)
+            except ValueError as e:
+                ep.done, ep.failed, ep.reward = True, f"observation: {e}", 0.0
+                continue
             if ep.turns >= max_turns or len(ep.ids) + len(seen) >= max_tokens:
                 ep.done = ep.truncated = True
                 ep.reward = 0.0

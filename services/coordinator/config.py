@@ -677,21 +677,35 @@ class AgentConfig:
         environment: calculator (tool calls in the Hermes / Qwen <tool_call> format answered by
             an arithmetic evaluator; the final answer is scored by exact match against the row's
             answer), or python (the calculator and a python tool: {"code": ...} run in a
-            sandboxed child process, services/coordinator/sandbox.py).
+            sandboxed child process, services/coordinator/sandbox.py), or remote (the episodes run
+            on an environment server at `address`, `rlfleet.v1.Environment`).
+        address: remote: host:port of the environment server (the coordinator's worker token
+            and TLS apply).
+        timeout_s: remote: seconds each Reset or Step may take; an episode whose call fails or
+            times out is dropped with its group and counted, never scored.
+        max_observation_bytes: remote: the largest reply taken; a larger one fails its episode.
         max_turns: assistant turns an episode may take; one still going then scores 0.
         max_tokens: prompt, turns and observations an episode may hold, in tokens.
         max_tool_calls: tool calls an episode may make; the turn after the last must answer.
     """
 
-    environment: Literal["calculator", "python"] = "calculator"
+    environment: Literal["calculator", "python", "remote"] = "calculator"
     max_turns: int = 4
     max_tokens: int = 512
     max_tool_calls: int = 3
+    address: str = ""
+    timeout_s: float = 30.0
+    max_observation_bytes: int = 1 << 20
 
     def __post_init__(self) -> None:
         _check(1 <= self.max_turns <= 64, "max_turns", f"must be in [1, 64], got {self.max_turns}")
         _check(2 <= self.max_tokens <= 1 << 20, "max_tokens", f"must be in [2, 1048576], got {self.max_tokens}")
         _check(0 <= self.max_tool_calls <= 64, "max_tool_calls", f"must be in [0, 64], got {self.max_tool_calls}")
+        _check(self.environment != "remote" or bool(re.fullmatch(r"[\w.\-\[\]:]+:\d{1,5}", self.address)),
+               "address", f"environment remote needs host:port, got {self.address!r}")
+        _check(0 < self.timeout_s <= 3600, "timeout_s", f"must be in (0, 3600], got {self.timeout_s}")
+        _check(1024 <= self.max_observation_bytes <= 64 << 20, "max_observation_bytes",
+               f"must be in [1024, 67108864], got {self.max_observation_bytes}")
 
 
 @dataclass(frozen=True, kw_only=True)

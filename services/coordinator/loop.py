@@ -178,6 +178,7 @@ class RLLoop:
         # Conversations become prompt text here, with the model's chat template (its tokenizer files).
         self._chat = load_tokenizer(job.model) if job.data.messages_key is not None else None
         self._tokenizer = load_tokenizer(job.model) if job.agent is not None else None  # episodes are token ids
+        self._remote_envs = None  # an agent job's environment server, reached once
         if self._chat is not None and not self._chat.chat_template:  # fail before any worker is configured
             raise ValueError(f"data.messages_key: {job.model} has no chat template to render conversations with")
 
@@ -511,8 +512,15 @@ class RLLoop:
         repeated = [e for e in examples for _ in range(n)]
         scratch = tempfile.TemporaryDirectory(prefix="rlfleet-tools-") if agent.environment == "python" else None
         tools = (lambda i: {"python": agents.python_tool(Path(scratch.name) / str(i))}) if scratch else (lambda i: {})
-        envs = [agents.Calculator(max_calls=agent.max_tool_calls, prompt=self._prompt_text, tools=tools(i))
-                for i in range(len(repeated))]
+        if agent.environment == "remote":
+            if self._remote_envs is None:
+                self._remote_envs = agents.RemoteEnvironments(agent.address, self.fleet.trainer_token or None,
+                                                              timeout_s=agent.timeout_s,
+                                                              max_observation_bytes=agent.max_observation_bytes)
+            envs = [self._remote_envs.new() for _ in repeated]
+        else:
+            envs = [agents.Calculator(max_calls=agent.max_tool_calls, prompt=self._prompt_text, tools=tools(i))
+                    for i in range(len(repeated))]
         stops = tuple(dict.fromkeys((*cfg.sampling.stop, agents.TOOL_CALL_END)))
 
         def generate(prompts_ids: list[list[int]], max_new_tokens: int) -> list[Completion]:
@@ -526,6 +534,10 @@ class RLLoop:
         finally:
             if scratch is not None:  # each episode's sandbox folder
                 scratch.cleanup()
+        failed = [ep for ep in episodes if ep.failed]
+        if failed:
+            self.emit("log", step, {"message": f"{len(failed)} episodes' environment failed, their groups dropped: "
+                                               f"{failed[0].failed}"})
         completions = [Completion(prompt_index=i, prompt_ids=ep.ids[: ep.prompt_len], output_ids=ep.response_ids,
                                   text=self._tokenizer.decode(ep.response_ids), logprobs=ep.logprobs,
                                   finish_reason="length" if ep.truncated else "stop",
@@ -533,7 +545,10 @@ class RLLoop:
                        for i, ep in enumerate(episodes)]
         rollout = Rollout(step, examples, [self._prompt_text(e) for e in examples], completions,
                           time.perf_counter() - t0, version, [ep.reward for ep in episodes])
+        kept = [g for g in range(len(examples)) if not any(ep.failed for ep in episodes[g * n : (g + 1) * n])]
+        rollout = select_groups(rollout, kept, n)
         rollout.metrics = {
+            "episodes_failed": float(len(failed)),
             "tool_call_frac": sum(ep.tool_calls > 0 for ep in episodes) / len(episodes),
             "tool_calls_mean": sum(ep.tool_calls for ep in episodes) / len(episodes),
             "turns_mean": sum(ep.turns for ep in episodes) / len(episodes),
@@ -551,6 +566,11 @@ class RLLoop:
         job, algo = self.job, self.job.algorithm
         step, examples, prompts, completions = rollout.step, rollout.examples, rollout.prompts, rollout.completions
         n = job.rollout.samples_per_prompt
+        if not completions:  # every group was dropped (their environments failed): nothing to train on
+            metrics = {"samples": 0.0, "generate_s": rollout.generate_s, **rollout.metrics, **(extra or {})}
+            self.emit("log", step, {"message": "no sample to train on this step: the weights stay as they are"})
+            self.emit("step", step, metrics)
+            return metrics
         t1 = time.perf_counter()
         rewards = torch.tensor(rollout.rewards).view(len(examples), n)  # [P, n]
         if job.trainer.colocate:  # the engines' memory goes to the trainer while it trains
@@ -834,6 +854,8 @@ class RLLoop:
     def close(self) -> None:
         if getattr(self, "syncer", None) is not None:
             self.syncer.close()
+        if getattr(self, "_remote_envs", None) is not None:
+            self._remote_envs.close()
         self._pool.shutdown(wait=False, cancel_futures=True)
         if self.trainers is not None:
             self.trainers.close()

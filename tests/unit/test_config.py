@@ -547,3 +547,9 @@ def test_agent_is_an_optional_section_and_bad_limits_are_named():
     assert cfg.agent.environment == "calculator" and cfg.agent.max_turns == 6
     assert "agent.max_turns: must be in [1, 64]" in error_of({"agent": {"max_turns": 0}})
     assert "agent.environment: expected one of 'calculator'" in error_of({"agent": {"environment": "shell"}})
+
+
+def test_a_remote_environment_needs_an_address():
+    assert "agent.address: environment remote needs host:port" in error_of({"agent": {"environment": "remote"}})
+    cfg = parse({"agent": {"environment": "remote", "address": "envs:50051", "timeout_s": 5}})
+    assert cfg.agent.address == "envs:50051" and cfg.agent.max_observation_bytes == 1 << 20
