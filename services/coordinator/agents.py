@@ -27,8 +27,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Protocol
 
+import grpc
+
+from services import rpc
+from services.api import environment_pb2, environment_pb2_grpc
 from services.coordinator.clients import Completion
 from services.coordinator.datasets import Example
+from services.coordinator.sandbox import run_python
 
 TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 TOOL_CALL_END = "</tool_call>"
@@ -115,8 +120,6 @@ def python_tool(folder: Path, *, timeout_s: float = 5.0, memory_mb: int = 256,
                 max_output: int = 2048) -> Callable[[dict], str]:
     """A `python` tool: {"code": "..."} run in the sandbox (`sandbox.run_python`) in `folder`;
     its output, cut at max_output characters and marked when cut or timed out."""
-    from services.coordinator.sandbox import run_python
-
     def run(arguments: dict) -> str:
         if not isinstance(arguments.get("code"), str):
             raise ValueError('arguments: expected {"code": "..."}')
@@ -179,9 +182,6 @@ class RemoteEnvironments:
 
     def __init__(self, address: str, token: str | None = None, *, timeout_s: float = 30.0,
                  max_observation_bytes: int = 1 << 20):
-        from services import rpc
-        from services.api import environment_pb2_grpc
-
         self.address, self.timeout_s, self.max_observation_bytes = address, timeout_s, max_observation_bytes
         self._channel = rpc.open_channel(address, token, max_receive_bytes=max_observation_bytes + 1024)
         self._stub = environment_pb2_grpc.EnvironmentStub(self._channel)
@@ -190,8 +190,6 @@ class RemoteEnvironments:
         return _RemoteEpisode(self)
 
     def call(self, name: str, request, *, retry: bool = False):
-        import grpc
-
         for attempt in range(2 if retry else 1):
             try:
                 return getattr(self._stub, name)(request, timeout=self.timeout_s)
@@ -212,8 +210,6 @@ class _RemoteEpisode:
         self._remote, self._episode = remote, ""
 
     def reset(self, example: Example) -> str:
-        from services.api import environment_pb2
-
         reply = self._remote.call("Reset", environment_pb2.ResetRequest(
             prompt=example.prompt or "", answer=example.answer, index=example.index,
             metadata_json=json.dumps(example.metadata, default=str)), retry=True)
@@ -221,8 +217,6 @@ class _RemoteEpisode:
         return reply.observation
 
     def step(self, action: str) -> Observation:
-        from services.api import environment_pb2
-
         reply = self._remote.call("Step", environment_pb2.StepRequest(episode_id=self._episode, action=action))
         if not math.isfinite(reply.reward):
             raise EnvironmentFailed(f"environment {self._remote.address} Step: reward {reply.reward} is not finite")

@@ -324,13 +324,7 @@ class RolloutClient(_Client):
     ) -> rollout_pb2.UpdateWeightsResponse:
         """`source` is one of trainer=, broadcast=, shm=, cuda_ipc= (the UpdateWeights oneof);
         `policy` drain, pause or abort (what becomes of rows generating meanwhile)."""
-        verify = weights_pb2.VERIFY_MODE_EXACT if exact else weights_pb2.VERIFY_MODE_FINGERPRINT
-        request = rollout_pb2.UpdateWeightsRequest(
-            version=manifest.version, manifest=manifest, timeout_s=timeout_s, verify=verify,
-            policy=rollout_pb2.UpdatePolicy.Value(f"UPDATE_POLICY_{policy.upper()}"), **source
-        )
-        with self._call("UpdateWeights"):  # the sync's timeout bounds the whole call, with a little grace
-            return self._stub.UpdateWeights(request, timeout=timeout_s * 1.1 + 2)
+        return self.update_weights_async(manifest, timeout_s, exact, policy=policy, **source).result()
 
     def update_weights_async(self, manifest: weights_pb2.WeightManifest, timeout_s: float, exact: bool = False, *,
                              policy: str = "drain", **source) -> Pending:
@@ -341,18 +335,25 @@ class RolloutClient(_Client):
             version=manifest.version, manifest=manifest, timeout_s=timeout_s, verify=verify,
             policy=rollout_pb2.UpdatePolicy.Value(f"UPDATE_POLICY_{policy.upper()}"), **source
         )
-        with self._call("UpdateWeights"):
+        with self._call("UpdateWeights"):  # the sync's timeout bounds the whole call, with a little grace
             return Pending(self, "UpdateWeights", self._stub.UpdateWeights.future(request, timeout=timeout_s * 1.1 + 2))
 
     def init_weight_update_group(
         self, host: str, port: int, rank: int, world_size: int, name: str, backend: str, timeout_s: float
     ) -> None:
+        self.init_weight_update_group_async(host, port, rank, world_size, name, backend, timeout_s).result()
+
+    def init_weight_update_group_async(
+        self, host: str, port: int, rank: int, world_size: int, name: str, backend: str, timeout_s: float
+    ) -> Pending:
+        """The join started, not waited for: every member of a group must be joining at once."""
         request = weights_pb2.InitWeightUpdateGroupRequest(
             master_address=host, master_port=port, rank_offset=rank, world_size=world_size,
             group_name=name, backend=backend, timeout_s=timeout_s,
         )
         with self._call("InitWeightUpdateGroup"):
-            self._stub.InitWeightUpdateGroup(request, timeout=timeout_s + 30)
+            return Pending(self, "InitWeightUpdateGroup",
+                           self._stub.InitWeightUpdateGroup.future(request, timeout=timeout_s + 30))
 
     def destroy_weight_update_group(self, name: str) -> None:
         with self._call("DestroyWeightUpdateGroup"):

@@ -7,7 +7,6 @@ loop owns no gRPC, files or threads beyond fanning calls out to several engines 
 
 from __future__ import annotations
 
-import dataclasses
 import random
 import tempfile
 import threading
@@ -166,8 +165,7 @@ class RLLoop:
         self.emit = emit
         self.cancelled = cancelled or threading.Event()
         self.weights_version = -1
-        # (an elastic fleet may grow: room for more engines than it starts with)
-        self._pool = ThreadPoolExecutor(max_workers=2 + 2 * max(len(fleet.engines), 16 if fleet.discover else 0))
+        self._pool = ThreadPoolExecutor(max_workers=2 + 2 * len(fleet.engines))
         self.syncer: WeightSyncer | None = None
         self.trainers = TrainerGroup(fleet.trainers) if fleet.trainers else None
         self.critics: TrainerGroup | None = None  # PPO's value model (setup builds it; never in eval-only)
@@ -346,7 +344,7 @@ class RLLoop:
         if colocate:  # engines get their weight memory back first, their KV cache only after the sync
             self._on_engines(lambda e: e.resume_memory(["weights"]))
         listed = set(range(len(self.fleet.engines))) - self.fleet.retired
-        result = self.syncer.sync(self.fleet.in_pool & listed, only=listed if self.fleet.retired else None)
+        result = self.syncer.sync(self.fleet.in_pool & listed, only=listed)
         self.fleet.in_pool = set(result.ok) - self.fleet.retired
         if colocate:
             self._on_engines(lambda e: e.resume_memory(["kv_cache"]))
@@ -420,7 +418,7 @@ class RLLoop:
     def _generate_on(self, engine: int, prompts: list[str], sampling, priority: str) -> _Groups:
         """The call to engine `engine`, started: `result()` is each prompt's completions."""
         return _Groups(self.fleet.engines[engine].generate_async(prompts, sampling, priority=priority),
-                       len(prompts), max(1, sampling.n))
+                       max(1, sampling.n))
 
     def _prompt_text(self, example: Example) -> str:
         """What an engine completes: the row's prompt, or its conversation in the chat template."""
@@ -453,10 +451,14 @@ class RLLoop:
     # ---- training ----------------------------------------------------------------------------
     def rl_step(self, step: int, examples: list[Example]) -> dict[str, float]:
         """One synchronous step: generate the batch with the current weights, then train on it."""
+        self._between_steps(step)
+        return self.learn(self.rollout(step, examples))
+
+    def _between_steps(self, step: int) -> None:
+        """Engines that moved come back, and an elastic job's new engines join (both synced)."""
         if len(self.fleet.in_pool) < len(self.fleet.engines):
             self.recover_engines(step)
         self.admit_engines(step)
-        return self.learn(self.rollout(step, examples))
 
     def rollout(self, step: int, examples: list[Example]) -> Rollout:
         """Step `step`'s samples: `samples_per_prompt` completions of each example's prompt, and
@@ -524,7 +526,7 @@ class RLLoop:
         stops = tuple(dict.fromkeys((*cfg.sampling.stop, agents.TOOL_CALL_END)))
 
         def generate(prompts_ids: list[list[int]], max_new_tokens: int) -> list[Completion]:
-            turn = dataclasses.replace(cfg.sampling, max_new_tokens=max_new_tokens, stop=stops)
+            turn = replace(cfg.sampling, max_new_tokens=max_new_tokens, stop=stops)
             return self.generate(prompts_ids, sampling_params(turn, seed=self._rng.randrange(2**31)))
 
         try:
@@ -789,9 +791,7 @@ class RLLoop:
     def _async_steps(self, sampler: PromptSampler, first: int) -> AsyncSteps:
         """Steps whose samples the engines generate while earlier steps train (`pipeline`)."""
         def learn(rollout: Rollout, extra: dict) -> dict:
-            if len(self.fleet.in_pool) < len(self.fleet.engines):
-                self.recover_engines(rollout.step)
-            self.admit_engines(rollout.step)
+            self._between_steps(rollout.step)
             return self.learn(rollout, extra)
 
         def dropped(step: int, count: int) -> None:
@@ -866,12 +866,11 @@ class RLLoop:
 class _Groups:
     """A Generate call under way; `result()` splits its completions into each prompt's n."""
 
-    def __init__(self, pending, prompts: int, n: int):
-        self._pending, self._prompts, self._n = pending, prompts, n
+    def __init__(self, pending, n: int):
+        self._pending, self._n = pending, n
 
     def result(self) -> list[list[Completion]]:
-        flat = self._pending.result()
-        return [flat[i * self._n : (i + 1) * self._n] for i in range(self._prompts)]
+        return _groups(self._pending.result(), self._n)
 
 
 def _joined(a: Rollout, b: Rollout) -> Rollout:

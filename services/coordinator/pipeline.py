@@ -144,7 +144,7 @@ class AsyncSteps:
                 "engine_idle_frac": min(1.0, gated / wall),
                 "generated_version": float(rollout.version),
             }
-            metrics = self._learn(kept, extra) if kept.completions else {}
+            metrics = self._learn(kept, extra)  # (one with no samples left emits a step that trains nothing)
             last_end = time.perf_counter()
             with self._gate:
                 self._trained = step

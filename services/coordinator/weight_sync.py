@@ -128,8 +128,8 @@ class WeightSyncer:
         return len(self.engines) - 1
 
     def sync(self, alive: set[int], only: set[int] | None = None) -> SyncResult:
-        """Sync every engine in `alive` (plus any that answers again), or just those in `only`;
-        returns who got the weights."""
+        """Sync every engine in `alive` (plus any that answers again), of those in `only` when
+        given; returns who got the weights."""
         by_plane: dict[str, list[int]] = {}
         for index, plane in enumerate(self.planes):
             if only is None or index in only:
@@ -246,9 +246,8 @@ class WeightSyncer:
         world = 1 + sum(sizes)
         port = self.trainer.init_weight_update_group(name, world, backend, self.timeout_s)
         host = self.trainer.address.rsplit(":", 1)[0]
-        joins = [
-            self._pool.submit(self.engines[i].init_weight_update_group, host, port, offset, world, name, backend,
-                              self.timeout_s)
+        joins = [  # (gRPC futures: every member joins at once, however many there are)
+            self.engines[i].init_weight_update_group_async(host, port, offset, world, name, backend, self.timeout_s)
             for offset, i in zip(offsets, members)
         ]
         for fut in joins:
