@@ -148,12 +148,14 @@ def _compiled(template: str):
 
 
 def make_char_tokenizer(
-    chars: str, *, specials: tuple[str, ...] = ("<pad>", "<bos>", "<eos>")
+    chars: str, *, specials: tuple[str, ...] = ("<pad>", "<bos>", "<eos>"), words: tuple[str, ...] = ()
 ) -> Tokenizer:
     """One token per character of `chars` after the special tokens (ids 0..len(specials)-1).
 
     The first three specials become pad, bos and eos, in that order (fewer specials leave the
-    later roles unset). Characters outside `chars` make `encode` raise ValueError.
+    later roles unset). Characters outside `chars` make `encode` raise ValueError. `words` are
+    multi-character tokens after the characters, matched before them and decoded as text (not
+    skipped as specials are), as a chat model's `<tool_call>` is.
     """
     if not chars:
         raise ValueError("chars: must not be empty")
@@ -161,7 +163,9 @@ def make_char_tokenizer(
         raise ValueError(f"chars: contains duplicates {sorted({c for c in chars if chars.count(c) > 1})!r}")
     if len(set(specials)) != len(specials) or set(specials) & set(chars):
         raise ValueError("specials: must be distinct from each other and from chars")
-    vocab = {token: i for i, token in enumerate([*specials, *chars])}
+    if len(set(words)) != len(words) or set(words) & (set(specials) | set(chars)) or any(len(w) < 2 for w in words):
+        raise ValueError("words: must be distinct, of two characters or more, and not specials")
+    vocab = {token: i for i, token in enumerate([*specials, *chars, *words])}
     # WordLevel needs an unk token name; one absent from the vocab makes unknown characters an
     # error instead of silently mapping them to some real token.
     inner = tokenizers.Tokenizer(models.WordLevel(vocab, unk_token="<unk-char>"))
@@ -170,5 +174,6 @@ def make_char_tokenizer(
     inner.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
     inner.decoder = decoders.Fuse()
     inner.add_special_tokens(list(specials))
+    inner.add_tokens([tokenizers.AddedToken(w, normalized=False, special=False) for w in words])
     roles = dict(zip(("pad_token", "bos_token", "eos_token"), specials))
     return Tokenizer(inner, **roles)

@@ -36,6 +36,19 @@ def test_custom_specials_and_roles():
     assert make_char_tokenizer("xy", specials=("[PAD]",)).eos_token_id is None
 
 
+def test_words_are_single_tokens_decoded_as_text_and_saved(tmp_path):
+    tok = make_char_tokenizer("ab<>/", words=("<tool_call>", "</tool_call>"))
+    ids = tok.encode("a<tool_call>b</tool_call><")
+    assert len(ids) == 5 and ids[1] == tok.token_to_id("<tool_call>") == 3 + 5
+    assert tok.decode([*ids, tok.eos_token_id]) == "a<tool_call>b</tool_call><"  # kept, unlike specials
+    tok.save(tmp_path)
+    assert load_tokenizer(tmp_path).encode("</tool_call>a") == [tok.token_to_id("</tool_call>"), tok.encode("a")[0]]
+    with pytest.raises(ValueError, match="words"):
+        make_char_tokenizer("ab", words=("a",))
+    with pytest.raises(ValueError, match="words"):
+        make_char_tokenizer("ab", words=("<eos>",))
+
+
 def test_bad_inputs():
     tok = make_char_tokenizer("ab")
     with pytest.raises(ValueError, match="text"):
