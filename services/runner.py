@@ -60,16 +60,19 @@ class Progress:
             if "value_loss" in data:  # PPO: how well the critic follows the returns
                 self.postfix["vloss"] = f"{data['value_loss']:.4f}"
                 self.postfix["ev"] = f"{data['explained_variance']:.2f}" if "explained_variance" in data else "n/a"
+            if "tool_call_frac" in data:  # an agent job: how many episodes called a tool
+                self.postfix["tool"] = f"{data['tool_call_frac']:.2f}"
             if self.plain:
                 self.write(
                     f"step {event.step}/{self.bar.total}: reward {data['reward_mean']:.3f} "
-                    f"len {data['response_len_mean']:.1f}{_critic(data)} ({_timings(data)})"
+                    f"len {data['response_len_mean']:.1f}{_tools(data)}{_critic(data)} ({_timings(data)})"
                 )
             self.bar.set_postfix(self.postfix, refresh=False)
             self.bar.update(event.step - self.bar.n)
         elif event.kind == "eval":
             self.postfix[data["dataset"]] = f"{data['score']:.3f}"
-            self.write(f"eval @ step {event.step}: {data['dataset']} = {data['score']:.3f} ({data['num_prompts']} prompts)")
+            self.write(f"eval @ step {event.step}: {data['dataset']} = {data['score']:.3f} ({data['num_prompts']} prompts"
+                       f"{_tools(data, ', ')})")
         elif event.kind == "sft" and event.step % 20 == 0:
             self.write(f"sft step {event.step}: loss {data.get('loss', float('nan')):.4f}")
         elif event.kind == "log":
@@ -202,6 +205,11 @@ def _print_summary(summary: dict) -> None:
     print(f"wall time      {summary['wall_s']:.1f}s")
     print(f"outputs        {summary['output_dir']}")
     print(f"reward curve   {summary['plot']}")
+
+
+def _tools(data: dict, sep: str = " ") -> str:
+    """An agent job's tool use: " tool 0.41" (the fraction of episodes that called a tool)."""
+    return f"{sep}tool {data['tool_call_frac']:.2f}" if "tool_call_frac" in data else ""
 
 
 def _critic(step: dict) -> str:

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Callable, Iterator
 from services import rpc
 from services.api import rollout_pb2, trainer_pb2
 from services.coordinator.clients import Completion, PeerError, RolloutClient, TrainerClient, TrainerGroup
-from services.coordinator.config import JobConfig, OptimizerConfig, SchedulerConfig
+from services.coordinator.config import JobConfig, OptimizerConfig, SamplingConfig, SchedulerConfig
 from services.coordinator.datasets import Example, PromptSampler, load_examples, open_dataset
 from services.coordinator.pipeline import AsyncSteps, Rollout, select_groups
 from services.coordinator.rewards import build_reward
@@ -431,9 +431,17 @@ class RLLoop:
         scores = {}
         for ds, examples, reward in self._eval_sets:
             started = time.perf_counter()
-            prompts = [self._prompt_text(e) for e in examples]
-            completions = self.generate(prompts, sampling_params(ds.sampling, seed=self.job.seed), priority="eval")
-            rewards = [reward(c.text, e.answer, p, e.metadata) for c, e, p in zip(completions, examples, prompts)]
+            extra: dict[str, float] = {}
+            if self.job.agent is not None:  # an agent job's eval is episodes in its environment
+                episodes = self._run_episodes(examples, ds.sampling, seed=self.job.seed, priority="eval")
+                extra = _episode_metrics(episodes)
+                # (an episode whose environment failed is counted, not scored as a wrong answer)
+                rewards = [ep.reward for ep in episodes if not ep.failed] or [0.0]
+            else:
+                prompts = [self._prompt_text(e) for e in examples]
+                completions = self.generate(prompts, sampling_params(ds.sampling, seed=self.job.seed),
+                                            priority="eval")
+                rewards = [reward(c.text, e.answer, p, e.metadata) for c, e, p in zip(completions, examples, prompts)]
             scores[ds.name] = sum(rewards) / len(rewards)
             self.emit(
                 "eval",
@@ -444,6 +452,7 @@ class RLLoop:
                     "num_prompts": len(examples),
                     "weights_version": self.weights_version,
                     "seconds": time.perf_counter() - started,
+                    **extra,
                 },
             )
         return scores
@@ -507,35 +516,9 @@ class RLLoop:
         """`samples_per_prompt` multi-turn episodes of each example (`agents.run_episodes`), every
         live episode's turn spread over the engines in one round; each episode becomes one
         completion: its turns and observations as token ids, loss mask 0 on the observations."""
-        from services.coordinator import agents
-
-        cfg, agent = self.job.rollout, self.job.agent
+        cfg = self.job.rollout
         n, version, t0 = cfg.samples_per_prompt, self.weights_version, time.perf_counter()
-        repeated = [e for e in examples for _ in range(n)]
-        scratch = tempfile.TemporaryDirectory(prefix="rlfleet-tools-") if agent.environment == "python" else None
-        tools = (lambda i: {"python": agents.python_tool(Path(scratch.name) / str(i))}) if scratch else (lambda i: {})
-        if agent.environment == "remote":
-            if self._remote_envs is None:
-                self._remote_envs = agents.RemoteEnvironments(agent.address, self.fleet.trainer_token or None,
-                                                              timeout_s=agent.timeout_s,
-                                                              max_observation_bytes=agent.max_observation_bytes)
-            envs = [self._remote_envs.new() for _ in repeated]
-        else:
-            envs = [agents.Calculator(max_calls=agent.max_tool_calls, prompt=self._prompt_text, tools=tools(i))
-                    for i in range(len(repeated))]
-        stops = tuple(dict.fromkeys((*cfg.sampling.stop, agents.TOOL_CALL_END)))
-
-        def generate(prompts_ids: list[list[int]], max_new_tokens: int) -> list[Completion]:
-            turn = replace(cfg.sampling, max_new_tokens=max_new_tokens, stop=stops)
-            return self.generate(prompts_ids, sampling_params(turn, seed=self._rng.randrange(2**31)))
-
-        try:
-            episodes = agents.run_episodes(envs, repeated, self._tokenizer, generate,
-                                           max_new_tokens=cfg.sampling.max_new_tokens, max_turns=agent.max_turns,
-                                           max_tokens=agent.max_tokens)
-        finally:
-            if scratch is not None:  # each episode's sandbox folder
-                scratch.cleanup()
+        episodes = self._run_episodes([e for e in examples for _ in range(n)], cfg.sampling)
         failed = [ep for ep in episodes if ep.failed]
         if failed:
             self.emit("log", step, {"message": f"{len(failed)} episodes' environment failed, their groups dropped: "
@@ -549,14 +532,41 @@ class RLLoop:
                           time.perf_counter() - t0, version, [ep.reward for ep in episodes])
         kept = [g for g in range(len(examples)) if not any(ep.failed for ep in episodes[g * n : (g + 1) * n])]
         rollout = select_groups(rollout, kept, n)
-        rollout.metrics = {
-            "episodes_failed": float(len(failed)),
-            "tool_call_frac": sum(ep.tool_calls > 0 for ep in episodes) / len(episodes),
-            "tool_calls_mean": sum(ep.tool_calls for ep in episodes) / len(episodes),
-            "turns_mean": sum(ep.turns for ep in episodes) / len(episodes),
-            "episodes_truncated_frac": sum(ep.truncated for ep in episodes) / len(episodes),
-        }
+        rollout.metrics = _episode_metrics(episodes)
         return rollout
+
+    def _run_episodes(self, examples: list[Example], sampling: SamplingConfig, *, seed: int | None = None,
+                      priority: str = "train") -> list:
+        """One episode of each example in the job's environment, to its end (`agents.run_episodes`).
+        `seed`: every turn sampled with it (eval: the same episodes each time); else a fresh one."""
+        from services.coordinator import agents
+
+        agent = self.job.agent
+        scratch = tempfile.TemporaryDirectory(prefix="rlfleet-tools-") if agent.environment == "python" else None
+        tools = (lambda i: {"python": agents.python_tool(Path(scratch.name) / str(i))}) if scratch else (lambda i: {})
+        if agent.environment == "remote":
+            if self._remote_envs is None:
+                self._remote_envs = agents.RemoteEnvironments(agent.address, self.fleet.trainer_token or None,
+                                                              timeout_s=agent.timeout_s,
+                                                              max_observation_bytes=agent.max_observation_bytes)
+            envs = [self._remote_envs.new() for _ in examples]
+        else:
+            envs = [agents.Calculator(max_calls=agent.max_tool_calls, prompt=self._prompt_text, tools=tools(i))
+                    for i in range(len(examples))]
+        stops = tuple(dict.fromkeys((*sampling.stop, agents.TOOL_CALL_END)))
+
+        def generate(prompts_ids: list[list[int]], max_new_tokens: int) -> list[Completion]:
+            turn = replace(sampling, max_new_tokens=max_new_tokens, stop=stops)
+            params = sampling_params(turn, seed=self._rng.randrange(2**31) if seed is None else seed)
+            return self.generate(prompts_ids, params, priority=priority)
+
+        try:
+            return agents.run_episodes(envs, examples, self._tokenizer, generate,
+                                       max_new_tokens=sampling.max_new_tokens, max_turns=agent.max_turns,
+                                       max_tokens=agent.max_tokens)
+        finally:
+            if scratch is not None:  # each episode's sandbox folder
+                scratch.cleanup()
 
     def learn(self, rollout: Rollout, extra: dict[str, float] | None = None) -> dict[str, float]:
         """Rewards, advantages, a train step and a weight sync on one step's samples; the step's
@@ -878,6 +888,16 @@ def _joined(a: Rollout, b: Rollout) -> Rollout:
     return replace(a, examples=a.examples + b.examples, prompts=a.prompts + b.prompts,
                    completions=a.completions + b.completions, rewards=a.rewards + b.rewards,
                    version=min(a.version, b.version))
+
+
+def _episode_metrics(episodes: list) -> dict[str, float]:
+    return {
+        "episodes_failed": float(sum(bool(ep.failed) for ep in episodes)),
+        "tool_call_frac": sum(ep.tool_calls > 0 for ep in episodes) / len(episodes),
+        "tool_calls_mean": sum(ep.tool_calls for ep in episodes) / len(episodes),
+        "turns_mean": sum(ep.turns for ep in episodes) / len(episodes),
+        "episodes_truncated_frac": sum(ep.truncated for ep in episodes) / len(episodes),
+    }
 
 
 def _groups(completions: list[Completion], n: int) -> list[list[Completion]]:
