@@ -169,6 +169,41 @@ def format_number(x: float) -> str:
     return str(int(x)) if float(x).is_integer() else f"{x:.6g}"
 
 
+class ChatFrame:
+    """An observation as the model's chat template frames a `role` message after an assistant
+    turn: the text between the assistant's content and the observation's (e.g. ChatML's
+    `<|im_end|>\n<|im_start|>tool\n`), the observation, and the text up to the next assistant
+    turn's content (`<|im_end|>\n<|im_start|>assistant\n`). Found by rendering the template once
+    with placeholder contents, so any template that renders the role works; one that does not
+    (or drops a placeholder) is refused by name. Nothing the model generated is rendered again:
+    the frame is appended to the turn's sampled tokens."""
+
+    _ASSISTANT, _OBSERVATION = "\x00assistant-turn\x00", "\x00observation\x00"
+
+    def __init__(self, tokenizer, role: str = "tool"):
+        messages = [{"role": "user", "content": "\x00prompt\x00"}, {"role": "assistant", "content": self._ASSISTANT},
+                    {"role": role, "content": self._OBSERVATION}]
+        try:
+            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        except Exception as e:  # (the template's own raise_exception, e.g. for an unknown role)
+            raise ValueError(f"agent: the model's chat template cannot render a {role!r} message: {e}") from e
+        if text.count(self._ASSISTANT) != 1 or text.count(self._OBSERVATION) != 1:
+            raise ValueError(f"agent: the model's chat template does not render a {role!r} message's content "
+                             "after the assistant's")
+        start = text.index(self._ASSISTANT) + len(self._ASSISTANT)
+        middle = text.index(self._OBSERVATION)
+        self.before, self.after = text[start:middle], text[middle + len(self._OBSERVATION):]
+        eos = tokenizer.eos_token_id
+        self._eos = tokenizer.decode([eos], skip_special_tokens=False) if eos is not None else ""
+        self._eos_id = eos
+
+    def __call__(self, observation: str, turn_ids: list[int]) -> str:
+        before = self.before
+        if turn_ids and turn_ids[-1] == self._eos_id and self._eos and before.startswith(self._eos):
+            before = before[len(self._eos):]  # the turn already ended with the end-of-turn token
+        return before + observation + self.after
+
+
 class EnvironmentFailed(RuntimeError):
     """An environment did not answer in time, answered too much, or failed: the episode is
     dropped and counted, never scored."""
@@ -249,10 +284,12 @@ GenerateIds = Callable[[list[list[int]], int], list[Completion]]  # (prompts' id
 
 
 def run_episodes(envs: list[Environment], examples: list[Example], tokenizer, generate: GenerateIds, *,
-                 max_new_tokens: int, max_turns: int, max_tokens: int) -> list[Episode]:
+                 max_new_tokens: int, max_turns: int, max_tokens: int,
+                 frame: ChatFrame | None = None) -> list[Episode]:
     """Run one episode per (environment, example) to its end, every live episode's turn in one
     `generate` call. An episode ends when its environment says so, after `max_turns` turns, or
-    when its sequence reaches `max_tokens` (then `truncated`, with reward 0)."""
+    when its sequence reaches `max_tokens` (then `truncated`, with reward 0). `frame`: each
+    observation framed as a message of the model's chat template (else appended as it is)."""
     episodes = []
     for env, example in zip(envs, examples):
         try:
@@ -293,7 +330,8 @@ def run_episodes(envs: list[Environment], examples: list[Example], tokenizer, ge
                 ep.done = True
                 continue
             try:
-                seen = tokenizer.encode(observation.text)
+                text = observation.text if frame is None else frame(observation.text, completion.output_ids)
+                seen = tokenizer.encode(text)
             except ValueError as e:
                 ep.done, ep.failed, ep.reward = True, f"observation: {e}", 0.0
                 continue

@@ -687,6 +687,9 @@ class AgentConfig:
         max_turns: assistant turns an episode may take; one still going then scores 0.
         max_tokens: prompt, turns and observations an episode may hold, in tokens.
         max_tool_calls: tool calls an episode may make; the turn after the last must answer.
+        observation_role: with chat prompts (data.messages_key), each observation is appended as
+            a message of this role in the model's chat template (its end-of-turn, header and the
+            next assistant header around it); without, as its own text.
     """
 
     environment: Literal["calculator", "python", "remote"] = "calculator"
@@ -696,8 +699,11 @@ class AgentConfig:
     address: str = ""
     timeout_s: float = 30.0
     max_observation_bytes: int = 1 << 20
+    observation_role: str = "tool"
 
     def __post_init__(self) -> None:
+        _check(bool(re.fullmatch(r"[a-z_]{1,32}", self.observation_role)), "observation_role",
+               f"must be a role name such as tool or user, got {self.observation_role!r}")
         _check(1 <= self.max_turns <= 64, "max_turns", f"must be in [1, 64], got {self.max_turns}")
         _check(2 <= self.max_tokens <= 1 << 20, "max_tokens", f"must be in [2, 1048576], got {self.max_tokens}")
         _check(0 <= self.max_tool_calls <= 64, "max_tool_calls", f"must be in [0, 64], got {self.max_tool_calls}")

@@ -179,6 +179,11 @@ class RLLoop:
         self._remote_envs = None  # an agent job's environment server, reached once
         if self._chat is not None and not self._chat.chat_template:  # fail before any worker is configured
             raise ValueError(f"data.messages_key: {job.model} has no chat template to render conversations with")
+        self._frame = None  # an agent job on chat prompts: observations as messages of the template
+        if self._chat is not None and job.agent is not None:
+            from services.coordinator.agents import ChatFrame
+
+            self._frame = ChatFrame(self._tokenizer, job.agent.observation_role)
 
     # ---- setup -------------------------------------------------------------------------------
     def setup(self) -> None:
@@ -563,7 +568,7 @@ class RLLoop:
         try:
             return agents.run_episodes(envs, examples, self._tokenizer, generate,
                                        max_new_tokens=sampling.max_new_tokens, max_turns=agent.max_turns,
-                                       max_tokens=agent.max_tokens)
+                                       max_tokens=agent.max_tokens, frame=self._frame)
         finally:
             if scratch is not None:  # each episode's sandbox folder
                 scratch.cleanup()

@@ -10,7 +10,7 @@ import string
 import pytest
 import torch
 
-from services.coordinator.agents import (Calculator, Episode, Observation, SingleTurn, evaluate_arithmetic,
+from services.coordinator.agents import (Calculator, ChatFrame, Episode, Observation, SingleTurn, evaluate_arithmetic,
                                          run_episodes)
 from services.coordinator.clients import Completion
 from services.coordinator.datasets import Example
@@ -164,3 +164,59 @@ def test_a_python_tool_call_runs_in_the_sandbox_and_its_output_is_the_observatio
     assert env.step(call) == Observation("<tool_response>6\n</tool_response>")
     net = '<tool_call>{"name": "python", "arguments": {"code": "import socket; socket.socket()"}}</tool_call>'
     assert "socket.__new__ is not allowed" in env.step(net).text
+
+
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def _chatml_tokenizer():
+    from services.models import make_char_tokenizer
+
+    tok = make_char_tokenizer(CHARS + "\n", specials=("<pad>", "<bos>", "<|im_end|>"), words=("<|im_start|>",))
+    tok.chat_template = CHATML
+    return tok
+
+
+def test_observations_are_framed_as_tool_messages_of_the_chat_template_and_never_trained_on():
+    tok = _chatml_tokenizer()
+    frame = ChatFrame(tok)
+    assert (frame.before, frame.after) == ("<|im_end|>\n<|im_start|>tool\n", "<|im_end|>\n<|im_start|>assistant\n")
+    prompt = tok.apply_chat_template([{"role": "user", "content": "What is 12*7?"}])
+    call = tok.encode('<tool_call>{"name": "calculator", "arguments": {"expression": "12*7"}}</tool_call>')
+    answer = [*tok.encode("84"), tok.eos_token_id]  # the final turn ends with the end-of-turn token
+
+    def generate(prompts_ids, max_new_tokens):
+        turn = call if len(prompts_ids[0]) < len(prompt) + 5 else answer
+        return [Completion(0, p, turn, "", [-0.5] * len(turn), "stop", 0) for p in prompts_ids]
+
+    ep = run_episodes([Calculator()], [Example(prompt=prompt, answer="84", index=0)], tok, generate,
+                      max_new_tokens=80, max_turns=3, max_tokens=400, frame=frame)[0]
+    assert ep.reward == 1.0 and ep.turns == 2 and ep.tool_calls == 1
+    assert tok.decode(ep.ids, skip_special_tokens=False) == (
+        prompt + tok.decode(call) + "<|im_end|>\n<|im_start|>tool\n<tool_response>84</tool_response><|im_end|>\n"
+        "<|im_start|>assistant\n84<|im_end|>")
+    observation = len(ep.response_ids) - len(call) - len(answer)
+    assert ep.mask == [1.0] * len(call) + [0.0] * observation + [1.0] * len(answer)
+    # a turn that already closed with the end-of-turn token is not closed twice
+    assert frame("r", [*call, tok.eos_token_id]) == "\n<|im_start|>tool\nr<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_a_chat_template_that_cannot_render_the_observation_role_is_refused_by_name():
+    tok = _chatml_tokenizer()
+    tok.chat_template = ("{% for m in messages %}{% if m['role'] not in ['user', 'assistant'] %}"
+                         "{{ raise_exception('unknown role ' + m['role']) }}{% endif %}{{ m['content'] }}{% endfor %}")
+    with pytest.raises(ValueError, match="cannot render a 'tool' message: unknown role tool"):
+        ChatFrame(tok)
+    assert ChatFrame(tok, role="user").before == ""
+
+
+def test_smollm2s_own_template_frames_a_tool_turn(smollm2_model):
+    from services.models import load_tokenizer
+
+    tok = load_tokenizer(smollm2_model)
+    frame = ChatFrame(tok)
+    assert frame.before == "<|im_end|>\n<|im_start|>tool\n" and frame.after == "<|im_end|>\n<|im_start|>assistant\n"
+    full = tok.apply_chat_template([{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"},
+                                    {"role": "tool", "content": "42"}])
+    assert full.endswith("a" + frame("42", tok.encode("a")))  # what the template renders for the whole history
