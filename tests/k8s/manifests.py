@@ -15,7 +15,8 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "deploy" / "k8s" / "helm" / "rlfleet"
-SERVICE_NAMES = {"coordinator": "rlfleet.v1.Coordinator", "trainer": "rlfleet.v1.Trainer", "rollout": "rlfleet.v1.Rollout"}
+SERVICE_NAMES = {"coordinator": "rlfleet.v1.Coordinator", "trainer": "rlfleet.v1.Trainer", "rollout": "rlfleet.v1.Rollout",
+                 "environment": "rlfleet.v1.Environment"}
 WORKLOADS = ("Deployment", "StatefulSet", "Job")
 COMPONENT = "app.kubernetes.io/component"
 # Worker pod components: a colocated pod runs a trainer and a rollout engine, one container each; a

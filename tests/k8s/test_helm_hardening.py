@@ -67,7 +67,7 @@ def admits(objects: list[dict], target: dict[str, str], port: int, source: dict 
     if not policies:
         return True  # no policy selects the pod: Kubernetes admits everything
     for policy in policies:
-        assert policy["spec"]["policyTypes"] == ["Ingress"]
+        assert policy["spec"]["policyTypes"][0] == "Ingress"
         for rule in policy["spec"]["ingress"]:
             if not any(p.get("port") in (None, port) and p["protocol"] == "TCP" for p in rule["ports"]):
                 continue

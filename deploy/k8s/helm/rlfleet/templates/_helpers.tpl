@@ -184,6 +184,13 @@ sft, critic) is dropped, so nothing can build an optimizer or a zero-length LR s
 {{- $_ := set $job "trainer" $trainer }}
 {{- end }}
 {{- $_ := set $job "rollout" $rollout }}
+{{- $agent := get $job "agent" }}
+{{- if and $agent (eq (toString (get $agent "environment")) "remote") (not (get $agent "address")) }}
+{{- if not .Values.environment.enabled }}
+{{- fail "job.agent.address: agent.environment is remote and no address is set; set one, or environment.enabled (and environment.module) for the chart's environment server" }}
+{{- end }}
+{{- $_ := set $agent "address" (printf "%s-environment:50051" (include "rlfleet.fullname" .)) }}
+{{- end }}
 {{- if $ppo }}
 {{- include "rlfleet.jobCritics" (dict "root" . "job" $job) }}
 {{- end }}
