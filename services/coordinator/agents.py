@@ -204,6 +204,41 @@ class ChatFrame:
         return before + observation + self.after
 
 
+def trajectory_tokens(tokenizer, messages: list[dict[str, str]]) -> tuple[list[int], list[int], list[float]]:
+    """A whole conversation (system / user turns, then assistant and tool turns, ending with the
+    assistant's) as the SFT stage trains on it: (prompt ids, response ids, loss mask). The prompt
+    is everything before the first assistant turn with the assistant header; each later turn is
+    the template's text it adds, tokenised on its own as the agent loop appends turns, with mask
+    1 on assistant turns up to their end-of-turn token and 0 on the rest; nothing follows the
+    last turn's end. The ids are those the agent loop builds for the same episode (ChatFrame)."""
+    first = next((i for i, m in enumerate(messages) if m["role"] == "assistant"), None)
+    if first is None or messages[-1]["role"] != "assistant":
+        raise ValueError("messages: a trajectory needs assistant turns and must end with one")
+
+    def render(k: int) -> str:  # the first k turns, with the assistant header if turn k is the assistant's
+        header = k < len(messages) and messages[k]["role"] == "assistant"
+        return tokenizer.apply_chat_template(messages[:k], add_generation_prompt=header)
+
+    texts = [render(k) for k in range(first, len(messages) + 1)]
+    eos = tokenizer.decode([tokenizer.eos_token_id], skip_special_tokens=False) if tokenizer.eos_token_id is not None else ""
+    prompt_ids = tokenizer.encode(texts[0])
+    response: list[int] = []
+    mask: list[float] = []
+    for k, (before, after) in enumerate(zip(texts, texts[1:]), start=first):
+        if not after.startswith(before):
+            raise ValueError(f"messages[{k}]: the chat template renders this conversation differently once turn {k} "
+                             "is added, so its turns cannot be trained on as one token sequence")
+        text, rest = after[len(before):], ""
+        if messages[k]["role"] == "assistant" and eos and eos in text:  # the turn ends at its end-of-turn token
+            cut = text.index(eos) + len(eos)
+            text, rest = text[:cut], ("" if k == len(messages) - 1 else text[cut:])
+        for piece, trained in ((text, messages[k]["role"] == "assistant"), (rest, False)):
+            ids = tokenizer.encode(piece) if piece else []
+            response += ids
+            mask += [1.0 if trained else 0.0] * len(ids)
+    return prompt_ids, response, mask
+
+
 class EnvironmentFailed(RuntimeError):
     """An environment did not answer in time, answered too much, or failed: the episode is
     dropped and counted, never scored."""

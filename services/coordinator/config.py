@@ -615,12 +615,16 @@ class SftConfig:
         steps: optimizer steps of SFT.
         batch_size: rows per SFT step.
         lr: learning rate of the SFT stage (constant).
+        conversations: rows are whole conversations under data.messages_key (tool turns
+            allowed, ending with an assistant turn), rendered with the model's chat template;
+            the loss is on the assistant turns only. Agent jobs warm up on trajectories so.
     """
 
     data: Path
     steps: int
     batch_size: int = 8
     lr: float = 1.0e-5
+    conversations: bool = False
 
     def __post_init__(self) -> None:
         _check(self.steps >= 1, "steps", f"must be >= 1, got {self.steps}")
@@ -777,6 +781,8 @@ class JobConfig:
             self.data.train is not None, "data.train",
             "a training job (num_rollout > 0) needs a training dataset (or set num_rollout: 0 for eval-only)",
         )
+        _check(self.sft is None or not self.sft.conversations or self.data.messages_key is not None,
+               "sft.conversations", "needs data.messages_key: the key of each row's conversation")
         advantage = self.algorithm.advantage
         if self.needs_critic:
             _check(self.critic.warmup_steps < self.num_rollout, "critic.warmup_steps",
@@ -915,9 +921,11 @@ def check_paths(cfg: JobConfig) -> None:
     # Every row is read now (streamed, none kept), not after the services start: an empty file
     # or a bad row fails the submit (exit 2), naming the field, the file and the line or row.
     limits = {f"eval.datasets[{i}].path": d.limit for i, d in enumerate(cfg.eval.datasets)}
+    sft_columns = dataclasses.replace(cfg.data.columns, trajectories=True) if cfg.sft and cfg.sft.conversations else None
     for name, file in files:
         try:
-            check_dataset(file, cfg.data.columns, limit=limits.get(name))
+            columns = sft_columns if name == "sft.data" and sft_columns else cfg.data.columns
+            check_dataset(file, columns, limit=limits.get(name))
         except DatasetError as e:
             raise ConfigError(f"{name}: {e}") from e
 

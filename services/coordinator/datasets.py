@@ -70,12 +70,16 @@ class Columns:
     answer_key: str = "answer"
     messages_key: str | None = None
     metadata_keys: tuple[str, ...] = ()
+    # Whole conversations to learn from (SFT): messages_key's turns may include tool turns and end
+    # with the assistant's; no answer is read.
+    trajectories: bool = False
 
     @property
     def keys(self) -> tuple[str, ...]:
         """Every key a row must have, without repeats, in the order rows are checked."""
         first = self.messages_key if self.messages_key is not None else self.prompt_key
-        return tuple(dict.fromkeys((first, self.answer_key, *self.metadata_keys)))
+        answer = () if self.trajectories else (self.answer_key,)
+        return tuple(dict.fromkeys((first, *answer, *self.metadata_keys)))
 
 
 # --------------------------------------------------------------------------- public entry points
@@ -142,14 +146,14 @@ def to_example(row: Any, columns: Columns, index: int, where: str) -> Example:
             raise DatasetError(f"{where}: missing key {key!r} (row has {', '.join(map(repr, row)) or 'no keys'})")
     prompt, messages = None, None
     if columns.messages_key is not None:
-        messages = _messages(row[columns.messages_key], columns.messages_key, where)
+        messages = _messages(row[columns.messages_key], columns.messages_key, where, trajectory=columns.trajectories)
     else:
         prompt = row[columns.prompt_key]
         if not isinstance(prompt, str):
             raise DatasetError(f"{where}: {columns.prompt_key!r} must be a string, got {_kind(prompt)}")
         if not prompt.strip():
             raise DatasetError(f"{where}: {columns.prompt_key!r} is empty")
-    answer = row[columns.answer_key]
+    answer = row.get(columns.answer_key, "") if columns.trajectories else row[columns.answer_key]
     if isinstance(answer, bool) or not isinstance(answer, str | int | float):
         raise DatasetError(f"{where}: {columns.answer_key!r} must be a string or a number, got {_kind(answer)}")
     metadata = {}
@@ -159,8 +163,10 @@ def to_example(row: Any, columns: Columns, index: int, where: str) -> Example:
     return Example(prompt=prompt, answer=str(answer), index=index, messages=messages, metadata=metadata)
 
 
-def _messages(value: Any, key: str, where: str) -> list[dict[str, str]]:
-    """A conversation the policy answers: system first if at all, and a user turn last."""
+def _messages(value: Any, key: str, where: str, *, trajectory: bool = False) -> list[dict[str, str]]:
+    """A conversation the policy answers: system first if at all, and a user turn last. A
+    `trajectory` (SFT on whole conversations) may hold tool turns and ends with an assistant turn."""
+    roles = (*ROLES, "tool") if trajectory else ROLES
     if not isinstance(value, list) or not value:
         raise DatasetError(f"{where}: {key!r} must be a non-empty list of {{role, content}} turns, got {_kind(value)}")
     turns = []
@@ -169,13 +175,18 @@ def _messages(value: Any, key: str, where: str) -> list[dict[str, str]]:
         if not isinstance(turn, dict) or "role" not in turn or "content" not in turn:
             raise DatasetError(f"{at}: expected {{role, content}}, got {_kind(turn) if not isinstance(turn, dict) else sorted(turn)}")
         role, content = turn["role"], turn["content"]
-        if role not in ROLES:
-            raise DatasetError(f"{at}: role must be one of {', '.join(ROLES)}, got {role!r}")
+        if role not in roles:
+            raise DatasetError(f"{at}: role must be one of {', '.join(roles)}, got {role!r}")
         if role == "system" and i > 0:
             raise DatasetError(f"{at}: a system turn may only come first")
         if not isinstance(content, str):
             raise DatasetError(f"{at}: content must be a string, got {_kind(content)}")
         turns.append({"role": role, "content": content})
+    if trajectory:
+        if turns[-1]["role"] != "assistant":
+            raise DatasetError(f"{where}: {key!r} must end with an assistant turn (what SFT learns), "
+                               f"got {turns[-1]['role']!r}")
+        return turns
     if turns[-1]["role"] != "user":
         raise DatasetError(f"{where}: {key!r} must end with a user turn (the policy writes the next "
                            f"assistant turn), got {turns[-1]['role']!r}")

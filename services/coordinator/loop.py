@@ -728,24 +728,27 @@ class RLLoop:
 
     def sft_stage(self) -> None:
         sft = self.job.sft
-        examples = load_examples(sft.data, self.job.data.columns)
+        columns = replace(self.job.data.columns, trajectories=sft.conversations)
+        examples = load_examples(sft.data, columns)
         tokenizer = load_tokenizer(self.job.model)
         sampler = PromptSampler(examples, sft.batch_size, seed=self.job.seed, shuffle=True)
         for i in range(sft.steps):
             self._check_cancelled()
-            rows = sampler.next_batch()
-            batch = trainer_pb2.Batch(
-                samples=[
-                    trainer_pb2.Sample(
-                        prompt_ids=tokenizer.encode(self._prompt_text(e)),
-                        response_ids=tokenizer.encode(e.answer) + [tokenizer.eos_token_id],
-                    )
-                    for e in rows
-                ]
-            )
+            batch = trainer_pb2.Batch(samples=[self._sft_sample(tokenizer, e) for e in sampler.next_batch()])
             metrics, _ = self.trainers.train_step(batch, sft=True, lr=sft.lr)
             self.emit("sft", i + 1, metrics)
         self.sync_weights(step=0)
+
+    def _sft_sample(self, tokenizer, example: Example) -> trainer_pb2.Sample:
+        """A prompt and its answer; with sft.conversations, a whole conversation, trained on its
+        assistant turns only (`agents.trajectory_tokens`)."""
+        if self.job.sft.conversations:
+            from services.coordinator.agents import trajectory_tokens
+
+            prompt_ids, response_ids, mask = trajectory_tokens(tokenizer, example.messages)
+            return trainer_pb2.Sample(prompt_ids=prompt_ids, response_ids=response_ids, loss_mask=mask)
+        return trainer_pb2.Sample(prompt_ids=tokenizer.encode(self._prompt_text(example)),
+                                  response_ids=tokenizer.encode(example.answer) + [tokenizer.eos_token_id])
 
     # ---- the job -----------------------------------------------------------------------------
     def run(self) -> dict:

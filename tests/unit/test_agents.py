@@ -220,3 +220,32 @@ def test_smollm2s_own_template_frames_a_tool_turn(smollm2_model):
     full = tok.apply_chat_template([{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"},
                                     {"role": "tool", "content": "42"}])
     assert full.endswith("a" + frame("42", tok.encode("a")))  # what the template renders for the whole history
+
+
+def test_an_sft_trajectory_is_the_token_sequence_the_agent_loop_builds_for_the_same_episode():
+    from services.coordinator.agents import trajectory_tokens
+
+    tok = _chatml_tokenizer()
+    call = '<tool_call>{"name": "calculator", "arguments": {"expression": "12*7"}}</tool_call>'
+    messages = [{"role": "user", "content": "What is 12*7?"}, {"role": "assistant", "content": call},
+                {"role": "tool", "content": "<tool_response>84</tool_response>"}, {"role": "assistant", "content": "84"}]
+    prompt_ids, response_ids, mask = trajectory_tokens(tok, messages)
+    assert tok.decode(prompt_ids, skip_special_tokens=False) == "<|im_start|>user\nWhat is 12*7?<|im_end|>\n<|im_start|>assistant\n"
+    turns = [tok.encode(call), [*tok.encode("84"), tok.eos_token_id]]
+
+    def generate(prompts_ids, max_new_tokens):  # the assistant turns as the engine would sample them
+        turn = turns[0] if len(prompts_ids[0]) == len(prompt_ids) else turns[1]
+        return [Completion(0, p, turn, "", [0.0] * len(turn), "stop", 0) for p in prompts_ids]
+
+    ep = run_episodes([Calculator()], [Example(prompt=tok.decode(prompt_ids, skip_special_tokens=False), answer="84",
+                                               index=0)], tok, generate, max_new_tokens=90, max_turns=3,
+                      max_tokens=400, frame=ChatFrame(tok))[0]
+    # the same ids: SFT on a trajectory trains the tokens RL later samples and scores
+    assert ep.ids == prompt_ids + response_ids and ep.reward == 1.0
+    # the same mask, but for the end-of-turn after the call: SFT learns it; RL stops at </tool_call>
+    # and the frame supplies it as part of the observation
+    end = len(turns[0])
+    assert mask[:end] == ep.mask[:end] == [1.0] * end and (mask[end], ep.mask[end]) == (1.0, 0.0)
+    assert mask[end + 1:] == ep.mask[end + 1:]
+    with pytest.raises(ValueError, match="must end with one"):
+        trajectory_tokens(tok, messages[:3])

@@ -243,3 +243,24 @@ def test_iter_examples_is_lazy(tmp_path):
     assert next(rows).prompt == "0+1=" and next(rows).prompt == "1+1="
     with pytest.raises(DatasetError, match=r"d\.jsonl:3: invalid JSON"):
         next(rows)
+
+
+def test_sft_trajectories_may_hold_tool_turns_must_end_with_the_assistant_and_need_no_answer(tmp_path):
+    columns = Columns(messages_key="messages", trajectories=True)
+    turns = [{"role": "user", "content": "12*7?"}, {"role": "assistant", "content": "<tool_call>...</tool_call>"},
+             {"role": "tool", "content": "84"}, {"role": "assistant", "content": "84"}]
+    (example,) = load_examples(write_jsonl(tmp_path / "t.jsonl", [{"messages": turns}]), columns)
+    assert example.messages == turns and example.answer == ""
+    with pytest.raises(DatasetError, match=r"t2.jsonl:1: 'messages' must end with an assistant turn .*got 'tool'"):
+        load_examples(write_jsonl(tmp_path / "t2.jsonl", [{"messages": turns[:3]}]), columns)
+    with pytest.raises(DatasetError, match="role must be one of system, user, assistant, got 'tool'"):
+        load_examples(write_jsonl(tmp_path / "t3.jsonl", [{"messages": turns[:3] + [{"role": "user", "content": "?"}],
+                                                          "answer": "1"}]), Columns(messages_key="messages"))
+
+
+def test_sft_conversations_need_a_messages_key(tmp_path):
+    data = write_jsonl(tmp_path / "d.jsonl", PLAIN)
+    text = yaml.safe_dump({"name": "j", "model": str(tmp_path), "num_rollout": 1, "data": {"train": str(data)},
+                           "sft": {"data": str(data), "steps": 1, "conversations": True}})
+    with pytest.raises(ConfigError, match="sft.conversations: needs data.messages_key"):
+        parse_job(text, tmp_path, check_files=False)
