@@ -37,7 +37,7 @@ from services.coordinator.dataclass_io import (  # noqa: F401 (ConfigError and f
 )
 from services.coordinator.datasets import Columns, DatasetError, check_dataset
 
-RewardKind = Literal["exact_match", "math_answer", "math_verify", "countdown", "python", "http"]
+RewardKind = Literal["exact_match", "math_answer", "math_verify", "countdown", "python", "http", "remote"]
 AdvantageKind = Literal["grpo", "dr_grpo", "reinforce_pp", "reinforce_pp_baseline", "ppo"]
 KlEstimator = Literal["k1", "k2", "k3", "low_var_kl"]
 LossAgg = Literal["token_mean", "seq_mean_token_sum", "seq_mean_token_mean"]
@@ -257,16 +257,20 @@ class RewardConfig:
     Attributes:
         kind: exact_match, math_answer, math_verify (math_answer, then Hugging Face's math-verify
             for equivalent forms; needs the math-verify package), countdown, python (a
-            module:function) or http (a POST endpoint).
+            module:function), http (a POST endpoint) or remote (the Score call of an environment
+            server, rlfleet.v1.Environment: a reward model or a verifier as a service).
         function: "module:function" to import when kind is python.
         url: endpoint to POST {prompt, completion, answer, metadata} to when kind is http.
-        timeout_s: per-request timeout when kind is http; time limit per answer when kind is
-            math_verify (past it the answer scores 0 and its checker process is replaced).
+        address: host:port of the environment server when kind is remote (the coordinator's
+            worker token and TLS apply).
+        timeout_s: per-request timeout when kind is http or remote; time limit per answer when
+            kind is math_verify (past it the answer scores 0 and its checker process is replaced).
     """
 
     kind: RewardKind = "exact_match"
     function: str | None = None
     url: str | None = None
+    address: str | None = None
     timeout_s: float = 10.0
 
     def __post_init__(self) -> None:
@@ -286,6 +290,11 @@ class RewardConfig:
             )
         else:
             _check(self.url is None, "url", f"only used when kind is 'http' (kind is {self.kind!r})")
+        if self.kind == "remote":
+            _check(bool(re.fullmatch(r"[\w.\-\[\]:]+:\d{1,5}", self.address or "")), "address",
+                   f"kind remote needs host:port, got {self.address!r}")
+        else:
+            _check(self.address is None, "address", f"only used when kind is 'remote' (kind is {self.kind!r})")
         _check(self.timeout_s > 0, "timeout_s", f"must be > 0, got {self.timeout_s}")
 
 

@@ -22,7 +22,7 @@ from services.coordinator.clients import Completion, PeerError, RolloutClient, T
 from services.coordinator.config import JobConfig, OptimizerConfig, SamplingConfig, SchedulerConfig
 from services.coordinator.datasets import Example, PromptSampler, load_examples, open_dataset
 from services.coordinator.pipeline import AsyncSteps, Rollout, select_groups
-from services.coordinator.rewards import build_reward
+from services.coordinator.rewards import build_reward, score_all
 from services.coordinator.weight_sync import WeightSyncer
 from services.models.tokenizer import load_tokenizer
 
@@ -170,7 +170,8 @@ class RLLoop:
         self.trainers = TrainerGroup(fleet.trainers) if fleet.trainers else None
         self.critics: TrainerGroup | None = None  # PPO's value model (setup builds it; never in eval-only)
         self._eval_sets = [
-            (ds, load_examples(ds.path, job.data.columns, limit=ds.limit), build_reward(ds.reward))
+            (ds, load_examples(ds.path, job.data.columns, limit=ds.limit),
+             build_reward(ds.reward, fleet.trainer_token or None))
             for ds in job.eval.datasets
         ]
         # Conversations become prompt text here, with the model's chat template (its tokenizer files).
@@ -446,7 +447,8 @@ class RLLoop:
                 prompts = [self._prompt_text(e) for e in examples]
                 completions = self.generate(prompts, sampling_params(ds.sampling, seed=self.job.seed),
                                             priority="eval")
-                rewards = [reward(c.text, e.answer, p, e.metadata) for c, e, p in zip(completions, examples, prompts)]
+                rewards = score_all(reward, [(c.text, e.answer, p, e.metadata)
+                                             for c, e, p in zip(completions, examples, prompts)])
             scores[ds.name] = sum(rewards) / len(rewards)
             self.emit(
                 "eval",
@@ -513,8 +515,9 @@ class RLLoop:
         prompts = [self._prompt_text(e) for e in examples]
         completions = self.generate(prompts, sampling)
         generated = time.perf_counter() - t0
-        rewards = [self._reward(c.text, e.answer, p, e.metadata)
-                   for e, p, group in zip(examples, prompts, _groups(completions, n)) for c in group]
+        rewards = score_all(self._reward, [(c.text, e.answer, p, e.metadata)
+                                           for e, p, group in zip(examples, prompts, _groups(completions, n))
+                                           for c in group])
         return Rollout(step, examples, prompts, completions, generated, version, rewards)
 
     def _episodes(self, step: int, examples: list[Example]) -> Rollout:
@@ -770,7 +773,7 @@ class RLLoop:
         step = first - 1
         if job.num_rollout > 0:
             examples = open_dataset(job.data.train, job.data.columns)  # rows are read as batches are dealt
-            self._reward = build_reward(job.reward)
+            self._reward = build_reward(job.reward, self.fleet.trainer_token or None)
             sampler = PromptSampler(examples, job.rollout.prompts_per_step, seed=job.seed, shuffle=job.data.shuffle)
             self._sampler = sampler  # (dynamic sampling draws more batches from it)
             sampler.skip_batches(first - 1)  # the batches the steps up to the checkpoint drew, unread

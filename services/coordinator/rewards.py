@@ -408,6 +408,8 @@ class HttpReward:
     """POSTs `{"prompt", "completion", "answer"}` (and `"metadata"` when the row has any) as JSON
     to a URL and reads `{"reward": float}`."""
 
+    io_bound = True  # score_all keeps several requests in flight
+
     def __init__(self, url: str, timeout_s: float) -> None:
         self.url = url
         self.timeout_s = timeout_s
@@ -440,6 +442,49 @@ class HttpReward:
         return _as_reward(f"endpoint {self.url}", value)
 
 
+class RemoteReward:
+    """Scores each completion with the `Score` call of an environment server
+    (`rlfleet.v1.Environment`: a reward model, a verifier, in any language). Every call has
+    `timeout_s`; one that finds the server unavailable is tried once more (a score changes
+    nothing); a failure or a non-finite reward is a RewardError naming the server."""
+
+    io_bound = True  # score_all keeps several requests in flight
+
+    def __init__(self, address: str, timeout_s: float, token: str | None = None) -> None:
+        from services.coordinator.agents import RemoteEnvironments
+
+        self.address = address
+        self._remote = RemoteEnvironments(address, token, timeout_s=timeout_s, max_observation_bytes=1024)
+        weakref.finalize(self, self._remote.close)
+
+    def __call__(self, completion: str, answer: str, prompt: str, metadata: Metadata | None = None) -> float:
+        from services.api import environment_pb2
+        from services.coordinator.agents import EnvironmentFailed
+
+        request = environment_pb2.ScoreRequest(prompt=prompt, completion=completion, answer=answer,
+                                               metadata_json=json.dumps(dict(metadata or {})))
+        try:
+            reply = self._remote.call("Score", request, retry=True)
+        except EnvironmentFailed as e:
+            raise RewardError(f"reward server: {e}") from None
+        return _as_reward(f"server {self.address}", reply.reward)
+
+
+MAX_REWARDS_IN_FLIGHT = 32
+
+
+def score_all(reward: Reward, rows: list[tuple[str, str, str, Metadata | None]]) -> list[float]:
+    """`reward` of each (completion, answer, prompt, metadata), in order. A reward that waits on a
+    server (`io_bound`: http, remote) gets up to MAX_REWARDS_IN_FLIGHT requests at once; the first
+    error is raised, as a sequential loop would."""
+    if not getattr(reward, "io_bound", False) or len(rows) < 2:
+        return [reward(*row) for row in rows]
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=min(MAX_REWARDS_IN_FLIGHT, len(rows)), thread_name_prefix="reward") as pool:
+        return list(pool.map(lambda row: reward(*row), rows))
+
+
 _BUILTINS: dict[str, Reward] = {"exact_match": exact_match, "math_answer": math_answer, "countdown": countdown}
 
 
@@ -459,8 +504,9 @@ def check_reward_modules(rewards: list[RewardConfig], allowed: tuple[str, ...]) 
                               f"{allowed_text}; the operator allows modules with --allow-reward-module)")
 
 
-def build_reward(cfg: RewardConfig) -> Reward:
-    """The reward a RewardConfig describes; imports a python reward now, so a typo fails at start."""
+def build_reward(cfg: RewardConfig, token: str | None = None) -> Reward:
+    """The reward a RewardConfig describes; imports a python reward now, so a typo fails at start.
+    `token`: the one a remote reward server is reached with (the coordinator's worker token)."""
     if cfg.kind in _BUILTINS:
         return _BUILTINS[cfg.kind]
     if cfg.kind == "python":
@@ -471,4 +517,7 @@ def build_reward(cfg: RewardConfig) -> Reward:
         return HttpReward(cfg.url, cfg.timeout_s)
     if cfg.kind == "math_verify":
         return MathVerifyReward(cfg.timeout_s)
+    if cfg.kind == "remote":
+        assert cfg.address is not None  # RewardConfig requires it
+        return RemoteReward(cfg.address, cfg.timeout_s, token)
     raise ValueError(f"reward.kind: unknown kind {cfg.kind!r}")

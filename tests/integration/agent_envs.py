@@ -38,3 +38,19 @@ class Floods(Countdown):
 class Raises(Countdown):
     def step(self, action):
         raise RuntimeError("the verifier crashed")
+
+
+class Scorer:
+    """A reward server: `Score` answers 0.25 for every completion, nan for one that says "nan",
+    and waits for RELEASE on one that says "hang"."""
+
+    def reset(self, example):
+        return example.prompt
+
+    def step(self, action):
+        return Observation("", 0.0, done=True)
+
+    def score(self, prompt, completion, answer, metadata):
+        if completion == "hang":
+            RELEASE.wait(120)
+        return float("nan") if completion == "nan" else 0.25

@@ -44,7 +44,8 @@ def _examples(k):
 
 @pytest.fixture
 def servers():
-    built = {name: build_server(factory=getattr(agent_envs, name)) for name in ("Countdown", "Hangs", "Floods", "Raises")}
+    built = {name: build_server(factory=getattr(agent_envs, name))
+             for name in ("Countdown", "Hangs", "Floods", "Raises", "Scorer")}
     agent_envs.RELEASE.clear()
     yield {name: f"127.0.0.1:{s.port}" for name, s in built.items()}
     agent_envs.RELEASE.set()  # (the hanging step returns: no server thread is left sleeping)
@@ -127,3 +128,40 @@ def test_a_job_trains_on_a_remote_environment_and_drops_groups_whose_server_fail
                 assert m["samples"] == 6 and m["episodes_failed"] == 0 and m["turns_mean"] == 3 and m["reward_mean"] == 1
             else:
                 assert m["samples"] == 0 and m["episodes_failed"] == 6  # counted, never scored
+
+
+def test_a_remote_reward_scores_with_the_servers_score_call_and_names_a_failure(servers):
+    from services.coordinator.config import RewardConfig
+    from services.coordinator.rewards import RewardError, build_reward
+
+    reward = build_reward(RewardConfig(kind="remote", address=servers["Scorer"], timeout_s=1.0))
+    assert reward("42", "42", "q") == 0.25
+    with pytest.raises(RewardError, match=f"server {servers['Scorer']} returned nan, expected a finite number"):
+        reward("nan", "1", "q")
+    started = time.monotonic()
+    with pytest.raises(RewardError, match="reward server: environment .* Score: DEADLINE_EXCEEDED"):
+        reward("hang", "1", "q")
+    assert time.monotonic() - started < 5
+    with pytest.raises(ValueError, match="address: kind remote needs host:port"):
+        RewardConfig(kind="remote")
+
+
+def test_a_single_turn_job_is_scored_by_a_remote_reward_server(fleet, tiny_model_dir, task_files, tmp_path, servers):
+    train, test = task_files
+    job = textwrap.dedent(f"""
+        name: remote-reward
+        model: {tiny_model_dir}
+        num_rollout: 2
+        output_dir: {tmp_path / 'out'}
+        rollout: {{prompts_per_step: 3, samples_per_prompt: 2, sampling: {{max_new_tokens: 3}}}}
+        data: {{train: {train}}}
+        reward: {{kind: remote, address: "{servers['Scorer']}", timeout_s: 5}}
+        eval: {{every: 0, datasets: [{{name: h, path: {test}, limit: 4, sampling: {{temperature: 0.0, max_new_tokens: 3}}}}]}}
+        trainer: {{optimizer: {{lr: 0.01}}}}
+        """)
+    final, events = run_job(addresses(fleet)["coordinator"], job, timeout_s=120)
+    assert final.state == coordinator_pb2.JOB_STATE_SUCCEEDED, final.error
+    steps = [json.loads(e.data_json) for e in events if e.kind == "step"]
+    evals = [json.loads(e.data_json) for e in events if e.kind == "eval"]
+    assert len(steps) == 2 and all(m["reward_mean"] == 0.25 and m["samples"] == 6 for m in steps)
+    assert evals and all(e["score"] == 0.25 for e in evals)  # the eval set takes the job's reward

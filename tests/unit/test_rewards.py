@@ -227,3 +227,28 @@ def test_a_coordinator_imports_only_the_reward_modules_its_operator_allowed(tmp_
     assert created and record.name == "rewards"
     allowing.close()
     refusing.close()
+
+
+def test_score_all_keeps_server_rewards_in_flight_together_in_order_and_raises_their_error():
+    import threading
+
+    from services.coordinator.rewards import score_all
+
+    together = threading.Barrier(4, timeout=10)  # passes only when 4 calls wait at once
+
+    class Server:
+        io_bound = True
+
+        def __call__(self, completion, answer, prompt, metadata=None):
+            together.wait()
+            if completion == "bad":
+                raise RewardError("the server said no")
+            return float(completion)
+
+    rows = [(str(i), "", "", None) for i in range(8)]
+    assert score_all(Server(), rows) == [float(i) for i in range(8)]
+    with pytest.raises(RewardError, match="the server said no"):
+        score_all(Server(), rows[:3] + [("bad", "", "", None)])
+    calls = []
+    assert score_all(lambda c, a, p, m=None: calls.append(c) or 1.0, rows) == [1.0] * 8  # in-process: in order
+    assert calls == [r[0] for r in rows]
