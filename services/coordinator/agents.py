@@ -318,17 +318,47 @@ class Episode:
 GenerateIds = Callable[[list[list[int]], int], list[Completion]]  # (prompts' ids, max_new_tokens) -> one each
 
 
+MAX_STEPS_IN_FLIGHT = 32
+
+
 def run_episodes(envs: list[Environment], examples: list[Example], tokenizer, generate: GenerateIds, *,
-                 max_new_tokens: int, max_turns: int, max_tokens: int,
-                 frame: ChatFrame | None = None) -> list[Episode]:
+                 max_new_tokens: int, max_turns: int, max_tokens: int, frame: ChatFrame | None = None,
+                 max_in_flight: int = MAX_STEPS_IN_FLIGHT) -> list[Episode]:
     """Run one episode per (environment, example) to its end, every live episode's turn in one
     `generate` call. An episode ends when its environment says so, after `max_turns` turns, or
     when its sequence reaches `max_tokens` (then `truncated`, with reward 0). `frame`: each
-    observation framed as a message of the model's chat template (else appended as it is)."""
-    episodes = []
-    for env, example in zip(envs, examples):
+    observation framed as a message of the model's chat template (else appended as it is).
+    The environments' resets and steps run up to `max_in_flight` at once (a remote server's
+    calls, a sandboxed tool's process), their results taken in episode order."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    pool = ThreadPoolExecutor(max_workers=max(1, max_in_flight), thread_name_prefix="env")
+    try:
+        return _run_episodes(envs, examples, tokenizer, generate, pool, max_new_tokens=max_new_tokens,
+                             max_turns=max_turns, max_tokens=max_tokens, frame=frame)
+    finally:
+        pool.shutdown(wait=True)
+
+
+def _each(pool, fn, args: list) -> list:
+    """fn(*a) for each a, at once on `pool`: each result, or the EnvironmentFailed it raised."""
+    def call(a):
         try:
-            ids = tokenizer.encode(env.reset(example))
+            return fn(*a)
+        except EnvironmentFailed as e:
+            return e
+
+    return list(pool.map(call, args)) if len(args) > 1 else [call(a) for a in args]
+
+
+def _run_episodes(envs, examples, tokenizer, generate, pool, *, max_new_tokens: int, max_turns: int,
+                  max_tokens: int, frame: ChatFrame | None) -> list[Episode]:
+    episodes = []
+    for first in _each(pool, lambda env, example: env.reset(example), list(zip(envs, examples))):
+        try:
+            if isinstance(first, EnvironmentFailed):
+                raise first
+            ids = tokenizer.encode(first)
         except (EnvironmentFailed, ValueError) as e:  # (ValueError: text the tokenizer cannot encode)
             episodes.append(Episode(ids=[], prompt_len=0, done=True, failed=str(e)))
             continue
@@ -345,20 +375,20 @@ def run_episodes(envs: list[Environment], examples: list[Example], tokenizer, ge
         if not live:
             return episodes
         completions = generate([episodes[i].ids for i in live], min(b for b in budgets if b > 0))
-        for i, completion in zip(live, completions):
-            ep, env = episodes[i], envs[i]
+        actions = [tokenizer.decode(c.output_ids) for c in completions]
+        observations = _each(pool, lambda env, action: env.step(action),
+                             [(envs[i], action) for i, action in zip(live, actions)])
+        for i, completion, action, observation in zip(live, completions, actions, observations):
+            ep = episodes[i]
             ep.ids += completion.output_ids  # as sampled: never decoded and encoded again
             ep.mask += [1.0] * len(completion.output_ids)
             ep.logprobs += completion.logprobs
             ep.versions.append(completion.weight_version)
             ep.turns += 1
-            action = tokenizer.decode(completion.output_ids)
             if TOOL_CALL.search(action):
                 ep.tool_calls += 1
-            try:
-                observation = env.step(action)
-            except EnvironmentFailed as e:
-                ep.done, ep.failed, ep.reward = True, str(e), 0.0
+            if isinstance(observation, EnvironmentFailed):
+                ep.done, ep.failed, ep.reward = True, str(observation), 0.0
                 continue
             ep.reward = observation.reward
             if observation.done:

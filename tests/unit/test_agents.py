@@ -249,3 +249,37 @@ def test_an_sft_trajectory_is_the_token_sequence_the_agent_loop_builds_for_the_s
     assert mask[end + 1:] == ep.mask[end + 1:]
     with pytest.raises(ValueError, match="must end with one"):
         trajectory_tokens(tok, messages[:3])
+
+
+def test_environment_steps_run_at_once_and_their_results_keep_episode_order():
+    import threading
+
+    together = threading.Barrier(6, timeout=10)  # passes only when all six steps wait at once
+
+    class Slow:
+        def reset(self, example):
+            together.wait()
+            return example.prompt
+
+        def step(self, action):
+            together.wait()
+            return Observation("", float(self.n), done=True)
+
+    class Tokens:
+        def encode(self, text):
+            return [ord(c) for c in text]
+
+        def decode(self, ids):
+            return "".join(chr(i) for i in ids)
+
+    envs = [Slow() for _ in range(6)]
+    for n, env in enumerate(envs):
+        env.n = n
+
+    def generate(prompts_ids, max_new_tokens):
+        return [Completion(0, p, [65], "", [-1.0], "stop", 0) for p in prompts_ids]
+
+    episodes = run_episodes(envs, [Example(f"q{i}", "", i) for i in range(6)], Tokens(), generate, max_new_tokens=2,
+                            max_turns=2, max_tokens=50)
+    assert [ep.reward for ep in episodes] == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
+    assert [ep.ids for ep in episodes] == [[ord("q"), ord(str(i)), 65] for i in range(6)]
