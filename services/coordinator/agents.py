@@ -37,6 +37,7 @@ from services.coordinator.sandbox import run_python
 
 TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 TOOL_CALL_END = "</tool_call>"
+_WRAPPED = re.compile(r"<tool_response>(.*)</tool_response>", re.DOTALL)
 MAX_EXPRESSION_CHARS = 200
 MAX_MAGNITUDE = 1e15
 
@@ -196,8 +197,14 @@ class ChatFrame:
         eos = tokenizer.eos_token_id
         self._eos = tokenizer.decode([eos], skip_special_tokens=False) if eos is not None else ""
         self._eos_id = eos
+        # Qwen's template wraps a tool message in <tool_response> itself: the observation's own
+        # wrapper (the calculator's) is then taken off, so the model reads one, as it was trained.
+        self.wraps = "<tool_response>" in self.before
 
     def __call__(self, observation: str, turn_ids: list[int]) -> str:
+        if self.wraps:
+            inner = _WRAPPED.fullmatch(observation)
+            observation = inner.group(1) if inner else observation
         before = self.before
         if turn_ids and turn_ids[-1] == self._eos_id and self._eos and before.startswith(self._eos):
             before = before[len(self._eos):]  # the turn already ended with the end-of-turn token

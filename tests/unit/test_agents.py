@@ -283,3 +283,17 @@ def test_environment_steps_run_at_once_and_their_results_keep_episode_order():
                             max_turns=2, max_tokens=50)
     assert [ep.reward for ep in episodes] == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
     assert [ep.ids for ep in episodes] == [[ord("q"), ord(str(i)), 65] for i in range(6)]
+
+
+def test_a_template_that_wraps_tool_replies_itself_gets_the_reply_unwrapped_once():
+    tok = _chatml_tokenizer()
+    # as Qwen2.5's template renders a tool message: a user turn holding <tool_response>
+    tok.chat_template = ("{% for m in messages %}{% if m['role'] == 'tool' %}<|im_start|>user\n<tool_response>\n"
+                         "{{ m['content'] }}\n</tool_response><|im_end|>\n{% else %}<|im_start|>{{ m['role'] }}\n"
+                         "{{ m['content'] }}<|im_end|>\n{% endif %}{% endfor %}"
+                         "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    frame = ChatFrame(tok)
+    assert frame.wraps
+    assert frame("<tool_response>84</tool_response>", []) == (
+        "<|im_end|>\n<|im_start|>user\n<tool_response>\n84\n</tool_response><|im_end|>\n<|im_start|>assistant\n")
+    assert not ChatFrame(_chatml_tokenizer()).wraps  # ChatML's plain tool role keeps the reply as it is
