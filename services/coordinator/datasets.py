@@ -471,9 +471,11 @@ class PromptSampler:
         self.shuffle = shuffle
         self.epoch = 0
         self.position = 0  # index into the current epoch's order
+        self.batches_dealt = 0  # next_batch calls so far (skipped ones included): where a resumed job goes on
         self._order = self._epoch_order(0)
 
     def next_batch(self) -> list[Example]:
+        self.batches_dealt += 1
         batch: list[Example] = []
         while len(batch) < self.batch_size:
             if self.position == len(self._order):
@@ -487,6 +489,7 @@ class PromptSampler:
 
     def skip_batches(self, num_batches: int) -> None:
         """Advance as `num_batches` calls of next_batch would, without reading any row."""
+        self.batches_dealt += num_batches
         for _ in range(num_batches):
             need = self.batch_size
             while need:

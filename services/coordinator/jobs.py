@@ -402,7 +402,11 @@ class JobManager:
         with self._cond:
             self.store.drop_after(job_id, checkpoint.step)
         before = {e.dataset: e.score for e in self.store.eval_results(job_id) if e.step == 0}
-        return Resume(step=checkpoint.step, path=checkpoint.path, evals_before=before)
+        at = [m.metrics for m in self.store.step_metrics(job_id) if m.step == checkpoint.step]
+        dealt, drawn = (at[-1].get("batches_dealt"), at[-1].get("seeds_drawn")) if at else (None, None)
+        return Resume(step=checkpoint.step, path=checkpoint.path, evals_before=before,
+                      batches_dealt=None if dealt is None or drawn is None else int(dealt),
+                      seeds_drawn=None if dealt is None or drawn is None else int(drawn))
 
     def _restart_point(self, job_id: str, lost: PeerError, fleet: Fleet, restarts: int) -> Checkpoint:
         """The checkpoint a job that lost a trainer restarts from, announced in its log; TrainerLost

@@ -46,6 +46,11 @@ class Resume:
     step: int
     path: str
     evals_before: dict[str, float | None]
+    # How far the steps up to it went into the data and the sampling seeds (their step metrics
+    # batches_dealt and seeds_drawn); None for a job whose steps did not record them (one batch and
+    # one seed a step are replayed then).
+    batches_dealt: int | None = None
+    seeds_drawn: int | None = None
 
 
 class WeightSyncFailed(RuntimeError):
@@ -480,7 +485,18 @@ class RLLoop:
         """Step `step`'s samples: `samples_per_prompt` completions of each example's prompt, and
         their rewards. With dynamic sampling, groups whose rewards are all equal are dropped and
         more prompts (the sampler's next batches) generated until the step has prompts_per_step
-        groups or `max_rounds` more rounds ran."""
+        groups or `max_rounds` more rounds ran. Its metrics say how far into the data and the
+        seeds the steps up to it went, for a resume to go on from there."""
+        rollout = self._rollout(step, examples)
+        rollout.metrics = {**rollout.metrics, "batches_dealt": float(self._sampler.batches_dealt),
+                           "seeds_drawn": float(self._seeds_drawn)}
+        return rollout
+
+    def _next_seed(self) -> int:
+        self._seeds_drawn += 1
+        return self._rng.randrange(2**31)
+
+    def _rollout(self, step: int, examples: list[Example]) -> Rollout:
         cfg = self.job.rollout
         first = rollout = self._generate_groups(step, examples)
         if cfg.dynamic_sampling is None:
@@ -511,7 +527,7 @@ class RLLoop:
         n = self.job.rollout.samples_per_prompt
         version = self.weights_version
         t0 = time.perf_counter()
-        sampling = sampling_params(self.job.rollout.sampling, n=n, seed=self._rng.randrange(2**31))
+        sampling = sampling_params(self.job.rollout.sampling, n=n, seed=self._next_seed())
         prompts = [self._prompt_text(e) for e in examples]
         completions = self.generate(prompts, sampling)
         generated = time.perf_counter() - t0
@@ -565,7 +581,7 @@ class RLLoop:
 
         def generate(prompts_ids: list[list[int]], max_new_tokens: int) -> list[Completion]:
             turn = replace(sampling, max_new_tokens=max_new_tokens, stop=stops)
-            params = sampling_params(turn, seed=self._rng.randrange(2**31) if seed is None else seed)
+            params = sampling_params(turn, seed=self._next_seed() if seed is None else seed)
             return self.generate(prompts_ids, params, priority=priority)
 
         try:
@@ -758,6 +774,7 @@ class RLLoop:
         started = time.time()
         job = self.job
         self._rng = random.Random(job.seed)
+        self._seeds_drawn = 0
         self.setup()
         if job.eval_only:
             return self._evaluate_checkpoint(started)
@@ -776,9 +793,11 @@ class RLLoop:
             self._reward = build_reward(job.reward, self.fleet.trainer_token or None)
             sampler = PromptSampler(examples, job.rollout.prompts_per_step, seed=job.seed, shuffle=job.data.shuffle)
             self._sampler = sampler  # (dynamic sampling draws more batches from it)
-            sampler.skip_batches(first - 1)  # the batches the steps up to the checkpoint drew, unread
-            for _ in range(1, first):  # and their sampling seeds
-                self._rng.randrange(2**31)
+            # the batches the steps up to the checkpoint drew, unread, and their sampling seeds
+            resume = self.resume if self.resume is not None and self.resume.batches_dealt is not None else None
+            sampler.skip_batches(resume.batches_dealt if resume else first - 1)
+            for _ in range(resume.seeds_drawn if resume else first - 1):
+                self._next_seed()
             steps = self._async_steps(sampler, first) if job.algorithm.max_staleness > 0 else None
             try:
                 for step, _ in steps or self._sync_steps(sampler, first):  # each trained, its weights synced

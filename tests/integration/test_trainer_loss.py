@@ -247,3 +247,28 @@ def test_a_trainer_that_dies_during_a_sync_is_recognised_and_the_job_resumes(tmp
         restart = [m for m in messages if "resumes from its checkpoint of step 2" in m]
         assert len(restart) == 1 and f"trainer {trainer.address} lost" in restart[0] and "WeightSyncFailed" in restart[0]
         assert [m.step for m in manager.store.step_metrics(job.id)] == list(range(1, 9))
+
+
+def test_a_resumed_dynamic_sampling_job_goes_on_with_the_data_and_seeds_it_left_at(tmp_path, tiny_model_dir, task_files,
+                                                                                   engine):
+    """Dynamic sampling draws a varying number of batches (and seeds) a step. The step that runs
+    again after the resume must be the step that ran before: the same prompts and samples, so the
+    same rewards and lengths, and the same place in the data after it."""
+    extra = "rollout: {prompts_per_step: 4, samples_per_prompt: 4, sampling: {max_new_tokens: 3}, " \
+            "dynamic_sampling: {max_rounds: 2}}\n"
+    text = _job(tmp_path, tiny_model_dir, *task_files, checkpoint_every=2).replace(
+        "rollout: {prompts_per_step: 4, samples_per_prompt: 4, sampling: {max_new_tokens: 3}}\n", extra)
+    assert "dynamic_sampling" in text
+    with _fleet(tmp_path, engine) as fleet:
+        manager = fleet.start_manager(tmp_path, trainer_wait_s=60)
+        job = manager.create(text, str(tmp_path))
+        final = _run_losing(manager, job.id, fleet.trainers[0], lambda: fleet.replace(tmp_path, "trainer-0b", trainer=0))
+        assert final.state == "succeeded", (final.error, _messages(manager, job.id)[-5:])
+        events = manager.store.events(job.id, 0, 10_000)
+        restart = next(e.seq for e in events if e.kind == "log" and "resumes from its checkpoint of step 2" in
+                       e.data["message"])
+        first = {e.step: e.data for e in events if e.kind == "step" and e.seq < restart}
+        again = {e.step: e.data for e in events if e.kind == "step" and e.seq > restart}
+        assert first[3]["batches_dealt"] > 3  # dynamic sampling drew more than a batch a step
+        for key in ("reward_mean", "response_len_mean", "batches_dealt", "seeds_drawn", "generation_rounds"):
+            assert again[3][key] == first[3][key], (key, first[3], again[3])
