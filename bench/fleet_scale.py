@@ -161,6 +161,7 @@ weight_sync: {{plane: grpc_stream, verify: fingerprint}}
         loop.setup()
         sampler = PromptSampler(open_dataset(job.data.train, job.data.columns), job.rollout.prompts_per_step, seed=0,
                                 shuffle=True)
+        loop._sampler = sampler
         loop.rl_step(1, sampler.next_batch())  # warm: connections, first calls
         wall, cpu = time.perf_counter(), time.process_time()
         metrics = [loop.rl_step(step, sampler.next_batch()) for step in range(2, steps + 2)]

@@ -183,6 +183,9 @@ class RLLoop:
         self._chat = load_tokenizer(job.model) if job.data.messages_key is not None else None
         self._tokenizer = load_tokenizer(job.model) if job.agent is not None else None  # episodes are token ids
         self._remote_envs = None  # an agent job's environment server, reached once
+        self._rng = random.Random(job.seed)  # every sampling seed (run() starts it afresh)
+        self._seeds_drawn = 0
+        self._sampler: PromptSampler | None = None  # the training data, as run() deals it
         if self._chat is not None and not self._chat.chat_template:  # fail before any worker is configured
             raise ValueError(f"data.messages_key: {job.model} has no chat template to render conversations with")
         self._frame = None  # an agent job on chat prompts: observations as messages of the template
@@ -488,8 +491,8 @@ class RLLoop:
         groups or `max_rounds` more rounds ran. Its metrics say how far into the data and the
         seeds the steps up to it went, for a resume to go on from there."""
         rollout = self._rollout(step, examples)
-        rollout.metrics = {**rollout.metrics, "batches_dealt": float(self._sampler.batches_dealt),
-                           "seeds_drawn": float(self._seeds_drawn)}
+        position = {"batches_dealt": float(self._sampler.batches_dealt)} if self._sampler is not None else {}
+        rollout.metrics = {**rollout.metrics, **position, "seeds_drawn": float(self._seeds_drawn)}
         return rollout
 
     def _next_seed(self) -> int:
