@@ -12,35 +12,18 @@ download. Deterministic for a seed on one CPU thread.
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 from pathlib import Path
 
-from services.trainer.warmup import sft_warmup
+from services.trainer import warmup
 
 HERE = Path(__file__).resolve().parent
 CHARS = "0123456789+-="
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--data", type=Path, default=HERE / "data" / "sft.jsonl")
-    parser.add_argument("--out", type=Path, default=HERE / "model")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--hidden", type=int, default=128)
-    parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--batch-size", type=int, default=64)
-    parser.add_argument("--lr", type=float, default=1e-3)
-    args = parser.parse_args(argv)
-    rows = [json.loads(line) for line in args.data.read_text().splitlines() if line.strip()]
-    sft_warmup(args.out, [(r["prompt"], [(r["answer"], True)]) for r in rows], chars=CHARS, seed=args.seed,
-               hidden=args.hidden, layers=args.layers, heads=args.heads, max_positions=64, steps=args.steps,
-               batch_size=args.batch_size, lr=args.lr)
-    print(f"wrote {args.out}")
-    return 0
+    return warmup.main(argv, description=__doc__.splitlines()[0], here=HERE,
+                       segments=lambda r: [(r["answer"], True)], chars=CHARS, max_positions=64, steps=300)
 
 
 if __name__ == "__main__":

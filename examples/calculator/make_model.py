@@ -18,12 +18,11 @@ download. Deterministic for a seed on one CPU thread.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
 
-from services.trainer.warmup import sft_warmup
+from services.trainer import warmup
 
 HERE = Path(__file__).resolve().parent
 CHARS = "".join(chr(c) for c in range(32, 127)) + "\n"  # printable ASCII: every tool reply can be read
@@ -43,23 +42,8 @@ def segments(row: dict) -> list[tuple[str, bool]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--data", type=Path, default=HERE / "data" / "sft.jsonl")
-    parser.add_argument("--out", type=Path, default=HERE / "model")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--hidden", type=int, default=128)
-    parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=600)
-    parser.add_argument("--batch-size", type=int, default=64)
-    parser.add_argument("--lr", type=float, default=1e-3)
-    args = parser.parse_args(argv)
-    rows = [json.loads(line) for line in args.data.read_text().splitlines() if line.strip()]
-    sft_warmup(args.out, [(r["prompt"], segments(r)) for r in rows], chars=CHARS, words=WORDS, seed=args.seed,
-               hidden=args.hidden, layers=args.layers, heads=args.heads, max_positions=128, steps=args.steps,
-               batch_size=args.batch_size, lr=args.lr)
-    print(f"wrote {args.out}")
-    return 0
+    return warmup.main(argv, description=__doc__.splitlines()[0], here=HERE, segments=segments, chars=CHARS, words=WORDS,
+                       max_positions=128, steps=600)
 
 
 if __name__ == "__main__":

@@ -10,11 +10,13 @@ CPU thread.
 
 from __future__ import annotations
 
+import argparse
+import json
 import random
 import sys
 import tempfile
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -83,3 +85,26 @@ def _sample(tokenizer, prompt: str, segments: Sequence[Segment]) -> Sample:
         mask += [1.0 if trained else 0.0] * len(piece)
     return Sample(prompt_ids=tokenizer.encode(prompt), response_ids=[*ids, tokenizer.eos_token_id],
                   loss_mask=[*mask, 1.0])
+
+
+def main(argv: list[str] | None, *, description: str, here: Path, segments: Callable[[dict], Sequence[Segment]],
+         chars: str, words: tuple[str, ...] = (), max_positions: int, steps: int) -> int:
+    """An example's make_model.py: rows of `here`/data/sft.jsonl (each made into its response's
+    segments by `segments`), a warm-up of `steps`, the model written to `here`/model."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--data", type=Path, default=here / "data" / "sft.jsonl")
+    parser.add_argument("--out", type=Path, default=here / "model")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--hidden", type=int, default=128)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=steps)
+    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--lr", type=float, default=1e-3)
+    args = parser.parse_args(argv)
+    rows = [json.loads(line) for line in args.data.read_text().splitlines() if line.strip()]
+    sft_warmup(args.out, [(r["prompt"], segments(r)) for r in rows], chars=chars, words=words, seed=args.seed,
+               hidden=args.hidden, layers=args.layers, heads=args.heads, max_positions=max_positions,
+               steps=args.steps, batch_size=args.batch_size, lr=args.lr)
+    print(f"wrote {args.out}")
+    return 0
