@@ -140,6 +140,7 @@ class RolloutEngine:
         # between rounds: a lock is not fair, and the serving thread would take it straight back.
         self._turns = threading.Condition()
         self._wanted = 0
+        self._inbox: list[Request] = []  # submitted, not yet in the batch (under `_turns`)
         self._closed = False
         self._thread: threading.Thread | None = None
 
@@ -161,9 +162,20 @@ class RolloutEngine:
         every round; `on_result(index, generation)` sees each completion as it finishes."""
         request = self.core.request(prompts_ids, sampling, cancelled=cancelled, on_result=on_result,
                                     priority=priority)
-        with self._turn():
+        if self.core.scheduler is None:  # the first request makes the pool and the scheduler
+            with self._turn():
+                self._check_serving_locked()
+                self.core.prepare(request)
+        # Into the inbox, not the scheduler: a submission never waits for a round, nor makes the
+        # serving thread wait for it (under hundreds of callers, taking turns with the serving
+        # thread left the device idle a third of the time). The serving thread moves the inbox
+        # into the batch before each round, and fails what it holds if the engine left the pool
+        # meanwhile.
+        with self._turns:
+            if self._closed:
+                raise EngineUnavailable("engine closed (reconfigured or shutting down)")
             self._check_serving_locked()
-            self.core.submit(request)
+            self._inbox.append(request)
             self._start_locked()
         return request
 
@@ -185,9 +197,12 @@ class RolloutEngine:
                 return EngineLoad()
             prefix = s.prefix
             prefill_s, decode_s, host_s = s.seconds_spent()
-            return EngineLoad(prefill_s=prefill_s, decode_s=decode_s, host_s=host_s,rows_running=s.rows_running, rows_waiting=s.rows_waiting, requests_live=len(s.live()),
-                              rounds=s.rounds_run, decode_steps=s.steps_run, row_steps=s.row_steps,
-                              prefills=s.prefills_run, preempted=s.preempted,
+            with self._turns:
+                inbox = list(self._inbox)
+            return EngineLoad(prefill_s=prefill_s, decode_s=decode_s, host_s=host_s, rows_running=s.rows_running,
+                              rows_waiting=s.rows_waiting + sum(len(r.results) for r in inbox),
+                              requests_live=len(s.live()) + len(inbox), rounds=s.rounds_run,
+                              decode_steps=s.steps_run, row_steps=s.row_steps, prefills=s.prefills_run, preempted=s.preempted,
                               prefix_lookup_tokens=prefix.lookup_tokens if prefix else 0,
                               prefix_hit_tokens=prefix.hit_tokens if prefix else 0)
 
@@ -211,23 +226,36 @@ class RolloutEngine:
                 self._turns.notify_all()
 
     def _start_locked(self) -> None:
+        """(`_turns` held.)"""
         if self._thread is None:
             self._thread = threading.Thread(target=self._serve, name="rollout-serving", daemon=True)
             self._thread.start()
+        self._turns.notify_all()
+
+    def _take_inbox_locked(self) -> None:
+        """(The engine's lock held.) Submitted requests into the batch, or their error if the
+        engine cannot serve them now."""
         with self._turns:
-            self._turns.notify_all()
+            inbox, self._inbox = self._inbox, []
+        for request in inbox:
+            try:
+                self._check_serving_locked()
+                self.core.submit(request)
+            except Exception as e:  # noqa: BLE001 (the request is given it: its caller raises it)
+                request.finish(e)
 
     def _serve(self) -> None:
         """The serving thread: rounds of the running batch while it has work."""
         devices.use(self.device)
         while True:
             with self._turns:
-                while not self._closed and (self._wanted or not self.core.busy):
+                while not self._closed and (self._wanted or not (self._inbox or self.core.busy)):
                     self._turns.wait()
                 if self._closed:
                     return
             with self._lock:
                 try:
+                    self._take_inbox_locked()
                     if (self.released or not self.serving) and self.core.scheduler is not None:
                         self.core.scheduler.fail(EngineUnavailable(
                             f"engine is out of the generation pool: {self.last_error or 'memory released'}"))
@@ -409,6 +437,10 @@ class RolloutEngine:
         if self._thread is not None:
             self._thread.join(timeout=60)
         with self._lock:
+            with self._turns:
+                inbox, self._inbox = self._inbox, []
+            for request in inbox:
+                request.finish(EngineUnavailable("engine closed (reconfigured or shutting down)"))
             if self.core.scheduler is not None:
                 self.core.scheduler.fail(EngineUnavailable("engine closed (reconfigured or shutting down)"))
 

@@ -12,6 +12,7 @@ import dataclasses
 import queue
 import threading
 import time
+from typing import Callable
 
 import grpc
 
@@ -213,7 +214,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
         with self._generating.enter(context, "Generate"), rpc.abort_on(context, _ERRORS):
             engine, prompts_ids, sampling = self._prepare(request, context)
             # A caller that cancels or runs past its deadline stops its rows (checked every round).
-            results, version = engine.generate(prompts_ids, sampling, cancelled=lambda: not context.is_active(),
+            results, version = engine.generate(prompts_ids, sampling, cancelled=_ended(context),
                                                **self._serving_options(engine, request))
             return rollout_pb2.GenerateResponse(
                 weight_version=version,
@@ -233,7 +234,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
 
     def _finishing(self, engine, request, prompts_ids, sampling, context):
         """(index, generation, version of its first token) of each completion as it finishes."""
-        cancelled = lambda: not context.is_active()  # noqa: E731
+        cancelled = _ended(context)
         if not getattr(engine, "streams", False):  # all of them at the call's end
             results, version = engine.generate(prompts_ids, sampling, cancelled=cancelled)
             yield from ((i, g, version) for i, g in enumerate(results))
@@ -442,6 +443,16 @@ def _completion(g, version: int, logprobs: bool) -> rollout_pb2.Completion:
         weight_version=g.versions[0][0] if g.versions else version,
         version_runs=[rollout_pb2.VersionRun(version=v, tokens=n) for v, n in g.versions],
     )
+
+
+def _ended(context) -> Callable[[], bool]:
+    """Whether the call ended (cancelled, past its deadline, its client gone): what the engine
+    polls every round for each live request. A flag gRPC sets when the call ends, not a look at
+    the call's state under its lock, hundreds of times a round."""
+    ended = threading.Event()
+    if not context.add_callback(ended.set):  # (already over)
+        ended.set()
+    return ended.is_set
 
 
 def _policy(engine, policy: str) -> dict:

@@ -18,12 +18,15 @@ def test_concurrent_callers_on_a_gpu(tiny_model_dir):
     check_concurrent_callers(tiny_model_dir, "cuda")
 
 
-def test_pause_versions_on_a_gpu(tiny_model_dir):
-    check_pause_versions(tiny_model_dir, "cuda", tolerance=2e-3, rounds_between=1)  # (8 steps a round)
+def test_pause_versions_on_a_gpu(long_model_dir):
+    # (8 steps a round, and an update takes some: 24 rows of 120 tokens, 8 at a time, outlast five)
+    check_pause_versions(long_model_dir, "cuda", tolerance=2e-3, rounds_between=1, new_tokens=120)
 
 
 def test_abort_on_a_gpu(tiny_model_dir):
-    check_abort(tiny_model_dir, "cuda", rounds=2)  # 16 of 40 tokens made
+    # 16 of 40 tokens made; 96 prompts, 4 at a time, outlast the update (the tiny model's whole
+    # 12 took less than an update on an H100)
+    check_abort(tiny_model_dir, "cuda", rounds=2, prompts=96)
 
 
 @pytest.mark.parametrize("sampling", [Sampling(temperature=0.0, max_new_tokens=12, ignore_eos=True),

@@ -136,6 +136,27 @@ def test_rows_that_can_only_end_at_their_limit_are_never_read(monkeypatch):
     assert len(polls) == 2 and _free_blocks_all_back(core)
 
 
+def test_while_requests_arrive_and_the_batch_has_room_rounds_are_short():
+    """Rows that can only end at their limit run on to the first finish between host looks; but
+    with a request arriving while they run (and room in the batch), a round is `check_every`
+    steps, so the next arrivals wait that long to join, not tens of steps. A lone call keeps its
+    long rounds."""
+    model = _model()
+    plain = Sampling(temperature=1.0, max_new_tokens=40, seed=4, ignore_eos=True)
+    core = _core(model, max_batch_size=8, check_every=4)
+    first = core.submit(core.request(_prompts()[:2], plain))
+    core.round()
+    s = core.scheduler
+    assert s.steps_run > 4  # a lone call: on towards its rows' limit
+    second = core.submit(core.request(_prompts()[2:3], plain))
+    steps = s.steps_run
+    core.round()  # admits the arrival, and runs check_every steps
+    assert s.rows_running == 3 and s.steps_run - steps == 4
+    while not (first.finished.is_set() and second.finished.is_set()):
+        core.round()
+    assert [len(g.output_ids) for g in first.wait() + second.wait()] == [40, 40, 40]
+
+
 def test_outputs_taken_in_pieces_while_decoding_come_back_whole(monkeypatch):
     """Rows that can only end at their length limit have their outputs so far copied out and
     turned into lists while later steps run, a piece every MAX_UNCHECKED_STEPS steps. With rows

@@ -239,10 +239,16 @@ def _versions(engine: RolloutEngine, count: int) -> list[dict[str, torch.Tensor]
     return out
 
 
-def _update(engine: RolloutEngine, staging: Staging, weights, version: int, policy: str) -> None:
+def _packed(weights, version: int) -> tuple:
+    """An update's manifest and buckets, packed ahead (`_update` then only stages and applies)."""
     buckets = plan_buckets(list(weights.items()), BUCKET_BYTES)
     flats = [pack_bucket(b, weights) for b in buckets]
-    manifest = engine.read_manifest(manifest_to_proto(make_manifest(version, "gpu", buckets, flats, "xxh3")))
+    return manifest_to_proto(make_manifest(version, "gpu", buckets, flats, "xxh3")), flats
+
+
+def _update(engine: RolloutEngine, staging: Staging, weights, version: int, policy: str, packed=None) -> None:
+    message, flats = packed or _packed(weights, version)
+    manifest = engine.read_manifest(message)
     buffers = staging.buffers(manifest)
     for buffer, flat in zip(buffers, flats):
         buffer.copy_(flat)
@@ -274,7 +280,7 @@ def test_pause_swaps_between_steps_and_every_token_names_the_weights_that_sample
 
 
 def check_pause_versions(tiny_model_dir, device: str, tolerance: float, min_spanning: int = 5,
-                         rounds_between: int = 6) -> None:
+                         rounds_between: int = 6, new_tokens: int = 40) -> None:
     """Streaming callers run across five updates with `pause`: completions span versions, and
     each token's logprob is the one its claimed version's weights give (teacher-forced), not the
     one the version before or after gives."""
@@ -283,19 +289,20 @@ def check_pause_versions(tiny_model_dir, device: str, tolerance: float, min_span
     staging = Staging(engine.device)
     _update(engine, staging, versions[0], 1, "drain")
     # (a stop string that never comes: a round a step, so updates land between any two tokens)
-    sampling = Sampling(temperature=1.0, max_new_tokens=40, seed=1, ignore_eos=True, stop=("never said",))
+    sampling = Sampling(temperature=1.0, max_new_tokens=new_tokens, seed=1, ignore_eos=True, stop=("never said",))
+    packed = {v: _packed(versions[v - 1], v) for v in range(2, 7)}  # (so that updates land rounds apart)
     requests = [engine.submit([_prompt(i)], Sampling(**{**sampling.__dict__, "seed": i}), on_result=lambda i, g: None)
                 for i in range(24)]
     for v in range(2, 7):  # (a round is a step on a CPU, 8 on a GPU)
         _after_rounds(engine, rounds_between)
-        _update(engine, staging, versions[v - 1], v, "pause")
+        _update(engine, staging, versions[v - 1], v, "pause", packed[v])
     results = [g for r in requests for g in r.wait(120)]
     engine.close()
     spanning = [g for g in results if len(g.versions) > 1]
     assert len(spanning) >= min_spanning and {v for g in results for v, _ in g.versions} >= {1, 2, 3, 4, 5, 6}
     checked = discriminating = 0
     for g in results:
-        assert sum(n for _, n in g.versions) == len(g.output_ids) == 40
+        assert sum(n for _, n in g.versions) == len(g.output_ids) == new_tokens
         claimed = [v for v, n in g.versions for _ in range(n)]
         ids = g.prompt_ids + g.output_ids
         tables = {v: _teacher_forced(engine.model_config, versions[v - 1], ids, device) for v in set(claimed) | {
@@ -307,22 +314,23 @@ def check_pause_versions(tiny_model_dir, device: str, tolerance: float, min_span
             others = [tables[w][start + k, token].item() for w in (v - 1, v + 1) if w in tables]
             # (a wrong version is caught where its logprob is off by more than the tolerance)
             discriminating += all(abs(o - logprob) > 3 * tolerance for o in others)
-    assert checked == 24 * 40 and discriminating > 0.9 * checked  # another version would be caught
+    assert checked == 24 * new_tokens and discriminating > 0.9 * checked  # another version would be caught
 
 
 def test_abort_ends_running_rows_with_their_tokens_and_waiting_rows_run_on_the_new_weights(tiny_model_dir):
     check_abort(tiny_model_dir, "cpu")
 
 
-def check_abort(tiny_model_dir, device: str, rounds: int = 5) -> None:
+def check_abort(tiny_model_dir, device: str, rounds: int = 5, prompts: int = 12) -> None:
     engine = _engine(tiny_model_dir, device, max_batch_size=4)
     versions = _versions(engine, 2)
     staging = Staging(engine.device)
     _update(engine, staging, versions[0], 1, "drain")
     sampling = Sampling(temperature=1.0, max_new_tokens=40, seed=1, ignore_eos=True, stop=("never said",))
-    request = engine.submit([_prompt(i) for i in range(12)], sampling)  # on a CPU a round a step: 4 rows at step 5
+    packed = _packed(versions[1], 2)  # (so that the update lands within a round of being asked for)
+    request = engine.submit([_prompt(i) for i in range(prompts)], sampling)  # on a CPU a round a step: 4 rows at step 5
     _after_rounds(engine, rounds)
-    _update(engine, staging, versions[1], 2, "abort")
+    _update(engine, staging, versions[1], 2, "abort", packed)
     results = request.wait(60)
     engine.close()
     aborted = [g for g in results if g.finish_reason == "abort"]
@@ -330,7 +338,26 @@ def check_abort(tiny_model_dir, device: str, rounds: int = 5) -> None:
     assert all(0 < len(g.output_ids) < 40 and len(g.logprobs) == len(g.output_ids) for g in aborted)
     assert all(g.versions == ((1, len(g.output_ids)),) for g in aborted)
     rest = [g for g in results if g.finish_reason != "abort"]
-    assert len(rest) == 8 and all(g.versions == ((2, 40),) for g in rest)
+    assert len(rest) == prompts - 4 and all(g.versions == ((2, 40),) for g in rest)
+
+
+def test_a_submission_never_waits_for_the_engine_lock(tiny_model_dir):
+    """With the engine's lock held (a long round, or an update copying weights), `submit` still
+    returns at once: the request waits in the inbox and runs once the lock is free."""
+    engine = _engine(tiny_model_dir, max_batch_size=4)
+    sampling = Sampling(temperature=0.0, max_new_tokens=5, ignore_eos=True)
+    try:
+        engine.generate([_prompt(0)], sampling)  # (the pool and the serving thread exist)
+        with engine._lock:
+            started = time.monotonic()
+            request = engine.submit([_prompt(1), _prompt(2)], sampling)
+            assert time.monotonic() - started < 0.5
+            time.sleep(0.2)
+            assert not request.finished.is_set()
+        results = request.wait(30)
+        assert [len(g.output_ids) for g in results] == [5, 5]
+    finally:
+        engine.close()
 
 
 def test_drain_waits_for_started_requests_and_holds_new_ones(tiny_model_dir):

@@ -96,10 +96,14 @@ class GenerationCore:
         return Request(packed.as_lists(prompts_ids), packed, sampling, frozenset(stop_ids), seed, priority=priority,
                        cancelled=cancelled, on_result=on_result)
 
-    def submit(self, request: Request) -> Request:
-        """Queue `request`: its rows join the running batch at a coming `round`."""
+    def prepare(self, request: Request) -> None:
+        """Make the pool, runner and scheduler for `request` if there are none."""
         if self.scheduler is None and request.prompts:
             self._ensure(request.longest, len(request.results))
+
+    def submit(self, request: Request) -> Request:
+        """Queue `request`: its rows join the running batch at a coming `round`."""
+        self.prepare(request)
         if self.scheduler is None:
             request.finish()  # no prompts, no completions (as the eager loop answers)
             return request

@@ -182,6 +182,7 @@ class _Row:
     logprobs: list[float] = field(default_factory=list)
     runs: list[tuple[int, int]] = field(default_factory=list)  # (weight version, from output token)
     final_blocks: int = 0  # what prompt plus max_new_tokens needs: len(blocks) < final_blocks grows
+    prompt_keys: list[bytes] = field(default_factory=list)  # its prompt's prefix-cache keys, if looked up
 
 
 @dataclass
@@ -258,6 +259,7 @@ class Scheduler:
         self._class: tuple | None = None
         self._mode: StepMode | None = None
         self._arrivals = itertools.count()
+        self._submitted = self._submitted_seen = 0  # requests submitted: in all, as of the last round
         self._turn = 0  # eval or train admitted next (`_next_waiting`)
         self._picks = 0  # classes picked so far (`_pick_class`)
         self._epoch_rows = 0  # rows the running class admitted since it was picked
@@ -284,6 +286,7 @@ class Scheduler:
         for i, prompt in enumerate(request.prompts):
             queue.append(_Waiting(request, i, prompt, list(range(request.sampling.n))))
         self._waiting_rows += len(request.results)
+        self._submitted += 1
         self._live.append(request)
         return request
 
@@ -450,6 +453,10 @@ class Scheduler:
             if request.cancelled is not None and request.cancelled():
                 self.fail(GenerationCancelled("generate: the caller cancelled"), [request])
         started = time.perf_counter()
+        # Requests that arrived while rows ran (not a call starting the batch): more are likely on
+        # the way (`_steps_before_check`).
+        arriving = bool(self._rows) and self._submitted != self._submitted_seen
+        self._submitted_seen = self._submitted
         if not self._rows:
             self._flush()  # (their rows are gone: nothing to overlap)
             self._pick_class()
@@ -469,12 +476,15 @@ class Scheduler:
         self.peak_rows = max(self.peak_rows, len(rows))
         max_new = self._class[3]
         can_stop = bool(self._class[4]) or any(row.request.sampling.stop for row in rows)
-        todo = self._steps_before_check(made, max_new, can_stop)
+        # With room in the batch, arrivals join at a round's end: short rounds while they come,
+        # rather than on to the first finish, which kept them waiting tens of steps.
+        arriving = arriving and len(rows) < self.runner.capacity
+        todo = self._steps_before_check(made, max_new, can_stop, arriving)
         if any(row.final_blocks > len(row.blocks) for row in rows):  # rows that grow as they go
             todo = min(todo, self.cache.shape.block_size)
             self._grow(todo)
             rows, made = self._rows, self._made
-            todo = min(todo, self._steps_before_check(made, max_new, can_stop))
+            todo = min(todo, self._steps_before_check(made, max_new, can_stop, arriving))
         if todo > 0:
             self.runner.decode(len(rows), todo, self._mode)
             c.decode_steps += todo
@@ -558,7 +568,7 @@ class Scheduler:
                     return queue
         return None
 
-    def _steps_before_check(self, made: list[int], max_new: int, can_stop: bool) -> int:
+    def _steps_before_check(self, made: list[int], max_new: int, can_stop: bool, arriving: bool = False) -> int:
         """Decode steps to run before the host looks again. A row with no stop token or string
         to meet can only finish at its length limit, which the host knows: with none, it looks
         when the first row gets there (at most MAX_UNCHECKED_STEPS on, for a cancel to be seen,
@@ -567,14 +577,16 @@ class Scheduler:
         one stops LAST_ROUND_STEPS short of it. Rows that arrived at different times finish at
         different steps: a round is still at least `check_every` steps (those that finish early
         sit done in their slots until it ends), or rounds of a step or two, each with a host look
-        and a prefill, would leave the device idle most of the time."""
+        and a prefill, would leave the device idle most of the time. While requests are
+        `arriving` and the batch has room, a round is `check_every` steps: the look reads nothing
+        unless a row finishes, and the arrivals join sooner."""
         left = [max_new - m for m in made]
         longest = max(left, default=0)
         if can_stop:
             return min(self.check_every, longest)
         first = min((n for n in left if n > 0), default=0)
         steps = first if first <= LAST_ROUND_STEPS else max(1, first - LAST_ROUND_STEPS)
-        return min(MAX_UNCHECKED_STEPS, max(steps, min(self.check_every, longest)))
+        return min(self.check_every if arriving else MAX_UNCHECKED_STEPS, max(steps, min(self.check_every, longest)))
 
     def _admit(self) -> int:
         """Prefill as many waiting prompts as slots, blocks and the prefill budget allow."""
@@ -600,12 +612,16 @@ class Scheduler:
             item = queue[0]
             length = len(item.prompt_ids)
             count = min(len(item.samples), slots - taken)
-            if count == 0 or (plan and tokens + length > self.max_prefill_tokens):
+            if count == 0:
+                break
+            hit = self._cached_prefix(item)  # blocks held already, this plan's references taken
+            computed = length - len(hit) * bs  # the prefill's tokens (a cached prefix is not computed)
+            if plan and tokens + computed > self.max_prefill_tokens:
+                allocator.free(hit)
                 break
             shared = length // bs  # blocks the prompt fills completely
             final = len(item.resume.prompt_ids) + max_new if item.resume is not None else length + max_new
             per_row = final_blocks = -(-final // bs)
-            hit = self._cached_prefix(item)  # blocks held already, this plan's references taken
             need = shared - len(hit) + count * (per_row - shared)
             if need > free_blocks - reserved and self._held:
                 self._flush()  # finished rows' kept blocks: to the cache, where they can be evicted
@@ -645,7 +661,7 @@ class Scheduler:
             plan.append((item, reserved, item.samples[:count], shared - len(hit), per_row - shared, hit, final_blocks))
             item.request.started = True
             reserved += need
-            tokens += length
+            tokens += computed
             taken += count
             self._waiting_rows -= count
             self._epoch_rows += count
@@ -696,7 +712,8 @@ class Scheduler:
                     copies_src.append(blocks[shared])
                     copies_dst.append(table[shared])
                 new.append(_Row(request, item.prompt_index, j, prompt_ids, table, runs=[(self.version, 0)],
-                                final_blocks=final_blocks))
+                                final_blocks=final_blocks,
+                                prompt_keys=item.keys[1] if item.keys and item.keys[0] == self.version else []))
                 new_rows.append(NewRow(table, len(prompt_ids), sampling.row_key(request.seed, item.prompt_index, j),
                                        group))
         self.runner.start(logits, new_rows, len(rows), self._mode)
@@ -715,8 +732,9 @@ class Scheduler:
                 if item.request.batch_class == self._class:
                     prompt = len(item.resume.prompt_ids) if item.resume is not None else len(item.prompt_ids)
                     short += len(item.samples) * -(-(prompt + max_new) // bs)
-        evictable = self.prefix.evictable() if self.prefix is not None else 0
-        return short > free_blocks + evictable + sum(len(blocks) for blocks in self._held.values())
+        room = free_blocks + sum(len(blocks) for blocks in self._held.values())
+        # (counting the evictable blocks walks the whole cache: only when the rest is short)
+        return short > room and (self.prefix is None or short > room + self.prefix.evictable())
 
     def _cache_outputs(self, rows: list[_Row], outputs, held: dict[int, list[int]]) -> None:
         """Cache the full blocks of held rows' prompts and outputs (the last output's keys and
@@ -730,7 +748,7 @@ class Scheduler:
             if self.prefix is not None and self.prefix.version == self.version == row.runs[0][0]:
                 tokens = row.prompt_ids + ids
                 count = min(len(blocks), (len(tokens) - 1) // bs)
-                self.prefix.insert(self.prefix.keys(tokens, count), blocks[:count])
+                self.prefix.insert(self.prefix.keys(tokens, count, known=row.prompt_keys), blocks[:count])
             self.cache.allocator.free(blocks)
 
     def _release_held(self) -> None:
