@@ -45,7 +45,32 @@ def second_turn(engine, firsts: list[list[int]], reply: int, turn: int, seed: in
     seconds = [first + a.output_ids + [rng.randrange(3, vocab) for _ in range(turn)] for first, a in zip(firsts, answers)]
     started = time.perf_counter()
     results, _ = engine.generate(seconds, Sampling(temperature=0.0, max_new_tokens=1, ignore_eos=True))
-    return time.perf_counter() - started, results
+    took = time.perf_counter() - started
+    engine.load()  # (waits for the round that handed the results back: its counters are in)
+    return took, results
+
+
+def profiled(engine, firsts: list[list[int]], args, path: Path) -> None:
+    """One more second turn with the cache on under torch.profiler: the tables to `path`."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from services.rollout.types import Sampling
+
+    answers, _ = engine.generate(firsts, Sampling(temperature=0.0, max_new_tokens=args.reply, ignore_eos=True))
+    seconds = [first + a.output_ids + first[: args.turn] for first, a in zip(firsts, answers)]
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=activities) as prof:
+        started = time.perf_counter()
+        # (on this thread, which the profiler records: the engine's serving thread has no work)
+        engine.core.generate(seconds, Sampling(temperature=0.0, max_new_tokens=1, ignore_eos=True))
+        took = time.perf_counter() - started
+    events = prof.key_averages()
+    tables = [f"# second turn, cache on, profiled: {took:.4f} s", events.table(sort_by="self_cpu_time_total", row_limit=25)]
+    if torch.cuda.is_available():
+        tables.append(events.table(sort_by="self_device_time_total", row_limit=25))
+    path.write_text("\n".join(tables))
+    print(f"# profiled second turn {took:.4f} s: tables in {path}", file=sys.stderr, flush=True)
 
 
 def plot(lines: list[dict], path: Path) -> None:
@@ -82,6 +107,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", type=Path)
     parser.add_argument("--png", type=Path)
+    parser.add_argument("--profile", type=Path,
+                        help="after the repeats, profile one more second turn with the cache on (torch.profiler: "
+                             "its top kernels and host ops) and write the tables here")
     args = parser.parse_args(argv)
     import torch
 
@@ -112,6 +140,7 @@ def main(argv: list[str] | None = None) -> int:
             prefix = on.core.scheduler.prefix
             hit = prefix.hit_tokens
             on_s, on_results = second_turn(on, firsts, args.reply, args.turn, repeat)
+            stats = on.core.scheduler.last_stats  # the second turn's busy period, with the cache on
             # turn 2's own share of the counts (turn 1 looked up too, and found nothing)
             hit_rate = (prefix.hit_tokens - hit) / max(1, sum(len(g.prompt_ids) for g in on_results))
             off_s, off_results = second_turn(off, firsts, args.reply, args.turn, repeat)
@@ -121,12 +150,17 @@ def main(argv: list[str] | None = None) -> int:
                     "turn": args.turn, "on_s": round(on_s, 4), "off_s": round(off_s, 4),
                     "ratio": round(on_s / off_s, 4), "hit_rate": round(hit_rate, 4),
                     "floor": round(1 - hit_rate, 4), "same_tokens": f"{same}/{len(on_results)}",
+                    "on_prefill_s": round(stats.prefill_s, 4), "on_decode_s": round(stats.decode_s, 4),
+                    "on_host_s": round(stats.host_s, 4),
                     "date": time.strftime("%Y-%m-%d"),
                     "commit": commit(), "machine": machine()}
             emit(line, args.out)
             lines.append(line)
             print(f"#   on {on_s:.3f} s, off {off_s:.3f} s: ratio {line['ratio']} (floor {line['floor']}), "
-                  f"hit rate {line['hit_rate']}, same tokens {line['same_tokens']}", file=sys.stderr, flush=True)
+                  f"hit rate {line['hit_rate']}, same tokens {line['same_tokens']}; on: prefill {line['on_prefill_s']} s, "
+                  f"decode {line['on_decode_s']} s, host {line['on_host_s']} s", file=sys.stderr, flush=True)
+        if args.profile:
+            profiled(on, conversations(args.conversations, args.history, 99, vocab), args, args.profile)
     finally:
         on.close()
         off.close()

@@ -177,6 +177,33 @@ def test_prefill_attention_kernel_computes_what_sdpa_computes(dtype, tolerance, 
     assert torch.equal(tri.prefill_attention(q, k, v), ref.prefill_attention(q, k, v))
 
 
+@pytest.mark.parametrize("dtype,tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+@pytest.mark.parametrize("heads,kv_heads,dim,block_size", [(14, 2, 64, 16), (12, 2, 128, 16), (4, 4, 64, 8)])
+def test_extend_attention_kernel_computes_what_the_dense_way_computes(dtype, tolerance, heads, kv_heads, dim,
+                                                                       block_size):
+    """A prefill after a prefix-cache hit (`extend_attention`): suffixes of 3 prompts over cached
+    prefixes of other lengths (none, partial key tiles, several hundred tokens), the blocks
+    scattered in the pool, against torch's dense gather, for the real rows of every prompt.
+    Twice: the same bits both times."""
+    from services.rollout.builtin.kernels import TritonOps
+
+    ref, tri = TorchOps(), TritonOps()
+    gen = torch.Generator(device="cuda").manual_seed(6)
+    blocks, width = 200, 40
+    k_cache = torch.randn(blocks * block_size, kv_heads, dim, generator=gen, device="cuda").to(dtype)
+    v_cache = torch.randn(blocks * block_size, kv_heads, dim, generator=gen, device="cuda").to(dtype)
+    tables = torch.stack([torch.randperm(blocks - 1, generator=gen, device="cuda")[:width] + 1 for _ in range(3)])
+    starts = torch.tensor([0, 13 * block_size, 20 * block_size], device="cuda")
+    lengths = torch.tensor([45, 3, 61], device="cuda")
+    q = torch.randn(3, 61, heads, dim, generator=gen, device="cuda").to(dtype)
+    got = tri.context_attention(q, k_cache, v_cache, tables, starts, lengths, block_size)
+    again = tri.context_attention(q, k_cache, v_cache, tables, starts, lengths, block_size)
+    want = ref.context_attention(q, k_cache, v_cache, tables, starts, lengths, block_size)
+    for g, n in enumerate(lengths.tolist()):  # (padding rows are left unwritten)
+        assert torch.equal(got[g, :n], again[g, :n])
+        assert _rel(got[g, :n], want[g, :n]) < tolerance, g
+
+
 def test_kernel_draws_match_the_reference_and_take_neither_end_for_an_extreme_u():
     """Over 4096 rows of a 151,936-token vocabulary the kernel (float32 sums by chunks) draws what
     the torch reference (float64 running sums) draws, but where u times the total falls within
@@ -237,8 +264,12 @@ def test_tuned_products_give_f_linear_bits_eagerly_and_replayed(rows):
                 (rnd(rows, 4864), rnd(896, 4864, scale=0.02), None),  # down
                 (rnd(rows, 1536), rnd(2048, 1536, scale=0.05), rnd(2048)),  # q/k/v of the 1.5B shape
                 (rnd(rows, 896), rnd(32768, 896, scale=0.05), None)]  # an output embedding
-    for x, w, b in products:
-        assert torch.equal(tri.linear(x, w, b), F.linear(x, w, b))
+    eager = rnd(rows + 1, 896)  # a shape met outside `tuning` (an eager prefill's): F.linear, not tuned
+    assert torch.equal(tri.linear(eager, products[0][1]), F.linear(eager, products[0][1]))
+    assert not tri._products
+    with tri.tuning():  # (as at the eager run before a capture)
+        for x, w, b in products:
+            assert torch.equal(tri.linear(x, w, b), F.linear(x, w, b))
     assert tri._products[(x.device, x.dtype, rows, 2 * 4864, 896, 896, False)] is not None
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):

@@ -226,19 +226,22 @@ def test_preemption_and_the_cache_together_change_no_token(long_model_dir, monke
         off.close()
 
 
-def test_the_gpu_way_of_attending_over_a_cached_prefix_is_the_dense_way():
-    """GPUs attend over a cached prefix with the paged decode kernel, one query per new token
-    (`context_attention_as_decode`); here it runs on torch's decode attention against the dense
-    gather CPUs use: the same outputs for real tokens, prompts of other starts and lengths."""
-    from services.rollout.builtin.ops import TorchOps, context_attention_as_decode
-
-    torch.manual_seed(0)
-    ops, bs, heads, kv_heads, dim = TorchOps(), 4, 4, 2, 8
-    k_cache, v_cache = torch.randn(40 * bs, kv_heads, dim), torch.randn(40 * bs, kv_heads, dim)
-    tables = torch.stack([torch.randperm(39)[:10] + 1 for _ in range(3)])  # [G, W], block 0 is the trash
-    starts, lengths = torch.tensor([8, 0, 13]), torch.tensor([5, 7, 2])
-    q = torch.randn(3, 7, heads, dim)
-    dense = ops.context_attention(q, k_cache, v_cache, tables, starts, lengths, bs)
-    paged = context_attention_as_decode(ops.decode_attention, q, k_cache, v_cache, tables, starts, lengths, bs)
-    for g in range(3):
-        torch.testing.assert_close(paged[g, : lengths[g]], dense[g, : lengths[g]], atol=1e-5, rtol=1e-5)
+def test_the_prefill_budget_counts_the_tokens_a_cache_hit_leaves_to_compute(long_model_dir):
+    """16 prompts of 151-190 tokens, each its own, against a prefill budget of 800 tokens a
+    forward: with nothing cached they take four forwards or more; asked again, their full
+    blocks cached, the last few tokens each still computes fit one forward, and give the same
+    tokens."""
+    prompts = [_conversations(1, 150, seed=5 + i)[0] for i in range(16)]
+    engine = _engine(long_model_dir, True)
+    try:
+        engine.core.prepare(engine.core.request(prompts, GREEDY))  # the scheduler, to set its budget on
+        engine.core.scheduler.max_prefill_tokens = 800
+        first, _ = engine.generate(prompts, GREEDY)
+        scheduler = engine.core.scheduler
+        assert scheduler.prefills_run >= 4
+        before = scheduler.prefills_run
+        again, _ = engine.generate(prompts, GREEDY)
+        assert scheduler.prefills_run - before == 1
+        assert [g.output_ids for g in again] == [g.output_ids for g in first]
+    finally:
+        engine.close()

@@ -26,6 +26,7 @@ The kernels live by topic in `pointwise_kernels.py`, `attention_kernels.py`, `li
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import torch
@@ -37,9 +38,9 @@ from services.rollout.builtin import cublaslt, sampling
 from services.rollout.builtin.attention_kernels import _decode_attention_kernel, _qk_rope_cache_kernel
 from services.rollout.builtin.linear_kernels import (SKINNY_BLOCK_M, SKINNY_MAX_BLOCK_M, _skinny_linear_kernel,
                                                      _tile_linear_kernel)
-from services.rollout.builtin.ops import TorchOps, context_attention_as_decode
+from services.rollout.builtin.ops import TorchOps
 from services.rollout.builtin.pointwise_kernels import _add_rmsnorm_kernel, _silu_mul_kernel
-from services.rollout.builtin.prefill_attention import prefill_attention
+from services.rollout.builtin.prefill_attention import extend_attention, prefill_attention
 from services.rollout.builtin.sampling_kernels import (_sample_chunk_kernel, _sample_merge_kernel,
                                                        _sample_record_kernel)
 
@@ -173,6 +174,7 @@ class TritonOps(TorchOps):
     def __init__(self, pdl: bool | None = None):
         self._counters: dict[tuple, torch.Tensor] = {}
         self._products: dict[tuple, cublaslt.LtProduct | None] = {}  # `_cublas`' choices by shape
+        self._tuning = False  # within `tuning`
         # Programmatic dependent launch (Hopper on): the kernels that wait for their predecessor
         # with `gdc_wait` (norm, RoPE, attention, skinny products) are launched so that they may
         # start before it ends; captured graphs keep that. With cuBLAS products alone it took the
@@ -185,10 +187,12 @@ class TritonOps(TorchOps):
         return self._attention(q, k_cache, v_cache, block_tables, seq_lens - 1, block_size, num_splits)
 
     def context_attention(self, q, k_cache, v_cache, block_tables, starts, lengths, block_size):
-        # A prefill after a prefix-cache hit: each suffix token a query of the paged decode kernel,
-        # which reads the cached prefix where it is (torch's way gathers it into a dense copy first).
-        return context_attention_as_decode(self.decode_attention, q, k_cache, v_cache, block_tables, starts, lengths,
-                                           block_size)
+        # A prefill after a prefix-cache hit: the cached prefix read where it is, once per block of
+        # query rows (torch's way gathers it into a dense copy first; one paged decode query per
+        # suffix token read it once per token, slower than no cache at all on an H100).
+        if q.stride(3) != 1 or q.stride(2) != q.shape[3]:
+            q = q.contiguous()
+        return extend_attention(q, k_cache, v_cache, block_tables, starts, lengths, block_size)
 
     def rope_decode_attention(self, q, k, v, q_norm, k_norm, eps, table, positions, k_cache, v_cache, block_tables,
                               block_size, num_splits):
@@ -269,8 +273,19 @@ class TritonOps(TorchOps):
     def output_linear(self, x, weight):
         return self._cublas(x, weight, None)
 
+    @contextlib.contextmanager
+    def tuning(self):
+        self._tuning = True
+        try:
+            yield
+        finally:
+            self._tuning = False
+
     def _cublas(self, x, weight, bias):
-        """F.linear, or the same bits from a faster cuBLASLt algorithm (`tune_products`)."""
+        """F.linear, or the same bits from a faster cuBLASLt algorithm (`tune_products`), chosen
+        for the shapes of captured graphs only (`tuning`): an eager prefill's shapes come once
+        (a prefix-cache hit's suffixes, prompts past the graphs' budget), and tuning one takes
+        tens of milliseconds, more than its products."""
         rows, k = x.shape
         if not (self.tune_products and self.skinny_rows < rows <= self.tune_max_rows and x.is_cuda
                 and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype
@@ -278,8 +293,8 @@ class TritonOps(TorchOps):
             return F.linear(x, weight, bias)
         key = (x.device, x.dtype, rows, weight.shape[0], k, x.stride(0), bias is not None)
         if key not in self._products:
-            if torch.cuda.is_current_stream_capturing():
-                return F.linear(x, weight, bias)  # chosen at the eager warm-up of the next capture
+            if not self._tuning or torch.cuda.is_current_stream_capturing():
+                return F.linear(x, weight, bias)  # chosen at the eager warm-up of a capture
             try:
                 self._products[key] = cublaslt.choose(x, weight, bias, min_gain=self.tune_min_gain)
             except (OSError, ImportError, AttributeError, RuntimeError) as exc:  # no usable cuBLASLt here

@@ -10,6 +10,8 @@ Hkv key/value heads, D head dim.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 
@@ -30,6 +32,12 @@ class TorchOps:
 
     name = "torch"
     _addresses: tuple | None = None  # `_step_addresses`' last step
+
+    @contextlib.contextmanager
+    def tuning(self):
+        """Around the eager run before a graph is captured: the shapes run within are worth
+        tuning (they are replayed); no ops here tune."""
+        yield
 
     def add_rmsnorm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -179,22 +187,6 @@ class TorchOps:
         rows.num_made[slot] = made
         rows.tokens[slot] = torch.where(active, tokens, rows.tokens[slot])
         rows.positions[slot] += active.int()
-
-
-def context_attention_as_decode(decode_attention, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                                block_tables: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor,
-                                block_size: int) -> torch.Tensor:
-    """`TorchOps.context_attention` as one decode query per suffix token: token s of prompt g
-    attends to the first starts[g] + s + 1 cached tokens of its prompt's block table (its own key
-    is in the cache already), read in place by `decode_attention` (a paged kernel on a GPU, no
-    dense copy of the prefix). Padding queries read one token and are discarded. -> [G, S, H*D]."""
-    groups, length, num_heads, head_dim = q.shape
-    offsets = torch.arange(length, device=q.device)
-    seq_lens = torch.where(offsets[None, :] < lengths[:, None], starts[:, None] + offsets + 1, 1)  # [G, S]
-    tables = block_tables.repeat_interleave(length, dim=0)  # [G*S, W]
-    out = decode_attention(q.reshape(groups * length, num_heads, head_dim), k_cache, v_cache, tables,
-                           seq_lens.reshape(-1).to(torch.int32), block_size, 1)
-    return out.view(groups, length, num_heads * head_dim)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -16,6 +16,7 @@ equal another's, and `clear` (every weight update) drops every block the cache h
 from __future__ import annotations
 
 import hashlib
+import itertools
 from collections import OrderedDict
 
 import numpy
@@ -23,14 +24,22 @@ import numpy
 from services.rollout.builtin.kv_cache import BlockAllocator
 
 
-def block_keys(prompt_ids, block_size: int, version: int, count: int | None = None) -> list[bytes]:
-    """The chain keys of the first `count` (default: every) full blocks of `prompt_ids`."""
-    ids = numpy.asarray(prompt_ids, dtype=numpy.int64)
-    full = len(ids) // block_size if count is None else min(count, len(ids) // block_size)
-    key = hashlib.blake2b(int(version).to_bytes(8, "little", signed=True), digest_size=16).digest()
-    keys = []
-    for i in range(full):
-        key = hashlib.blake2b(key + ids[i * block_size : (i + 1) * block_size].tobytes(), digest_size=16).digest()
+def block_keys(prompt_ids, block_size: int, version: int, count: int | None = None,
+               known: list[bytes] = ()) -> list[bytes]:
+    """The chain keys of the first `count` (default: every) full blocks of `prompt_ids`.
+    `known`: the keys of its first blocks, computed before (a finished row's prompt): the chain
+    goes on from them, hashing only the blocks after."""
+    full = len(prompt_ids) // block_size if count is None else min(count, len(prompt_ids) // block_size)
+    keys = list(known[:full])
+    if len(keys) == full:
+        return keys
+    key = keys[-1] if keys else hashlib.blake2b(int(version).to_bytes(8, "little", signed=True),
+                                                digest_size=16).digest()
+    start = len(keys) * block_size
+    raw = numpy.asarray(prompt_ids[start : full * block_size], dtype=numpy.int64).tobytes()  # (one conversion)
+    width = block_size * 8
+    for at in range(0, len(raw), width):
+        key = hashlib.blake2b(key + raw[at : at + width], digest_size=16).digest()
         keys.append(key)
     return keys
 
@@ -46,8 +55,8 @@ class PrefixCache:
     def __len__(self) -> int:
         return len(self._blocks)
 
-    def keys(self, prompt_ids, count: int | None = None) -> list[bytes]:
-        return block_keys(prompt_ids, self.block_size, self.version, count)
+    def keys(self, prompt_ids, count: int | None = None, known: list[bytes] = ()) -> list[bytes]:
+        return block_keys(prompt_ids, self.block_size, self.version, count, known)
 
     def match(self, keys: list[bytes]) -> list[int]:
         """The cached blocks of the longest cached prefix of `keys`, each marked just used. The
@@ -81,7 +90,7 @@ class PrefixCache:
 
     def evict(self, count: int) -> int:
         """Give back up to `count` blocks no row holds, least recently used first; returns how many."""
-        gone = [key for key, b in self._blocks.items() if self.allocator.refs(b) == 1][:count]
+        gone = list(itertools.islice((key for key, b in self._blocks.items() if self.allocator.refs(b) == 1), count))
         self.allocator.free([self._blocks.pop(key) for key in gone])
         self.evicted += len(gone)
         return len(gone)

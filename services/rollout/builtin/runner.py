@@ -433,7 +433,7 @@ class ModelRunner:
         saved = [t.clone() for t in self.rows.all()]
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
+        with torch.cuda.stream(stream), self.decoder.ops.tuning():
             self._step(batch, mode)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         for t, s in zip(self.rows.all(), saved):
@@ -456,7 +456,7 @@ class ModelRunner:
         self._prefill_out(groups)  # made here, on this stream, never while capturing
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
+        with torch.cuda.stream(stream), self.decoder.ops.tuning():
             self._prefill_forward(*inputs)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         if self._pool is None:
