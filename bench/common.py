@@ -105,14 +105,16 @@ def machine_key(name: str) -> str:
 
 def publish(bench: str, run: Path, results: Path = Path(__file__).parent / "results") -> Path:
     """Make a finished run (its JSON lines in `run`) the current result of `bench` on its machine,
-    `<bench>-<machine>.jsonl`, and append its lines to `<bench>-history.jsonl`."""
+    `<bench>-<machine>.jsonl`, and append its lines to `history.jsonl`, every benchmark's runs in
+    one file (each line names its `bench`)."""
     lines = [line for line in run.read_text().splitlines() if line.strip()]
     if not lines:
         raise ValueError(f"{run}: no result lines")
     current = results / f"{bench}-{machine_key(json.loads(lines[0]).get('machine', machine()))}.jsonl"
     current.write_text("\n".join(lines) + "\n")
-    with (results / f"{bench}-history.jsonl").open("a") as history:
-        history.write("\n".join(lines) + "\n")
+    named = [json.dumps({"bench": bench, **json.loads(line)}) for line in lines]
+    with (results / "history.jsonl").open("a") as history:
+        history.write("\n".join(named) + "\n")
     return current
 
 

@@ -77,5 +77,5 @@ def test_publish_makes_a_run_current_and_appends_it_to_the_history(tmp_path):
         current = publish("demo", run, results)
     assert current.name == "demo-nvidia-h200.jsonl"
     assert json.loads(current.read_text())["commit"] == "c2"  # the newest run only
-    history = [json.loads(line) for line in (results / "demo-history.jsonl").read_text().splitlines()]
-    assert [h["commit"] for h in history] == ["c1", "c2"]
+    history = [json.loads(line) for line in (results / "history.jsonl").read_text().splitlines()]
+    assert [(h["bench"], h["commit"]) for h in history] == [("demo", "c1"), ("demo", "c2")]
