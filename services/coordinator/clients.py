@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import contextlib
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
-from typing import Callable
+from dataclasses import dataclass
+from typing import Callable, Sequence
 
 import grpc
 
@@ -27,17 +27,21 @@ class PeerError(RuntimeError):
         super().__init__(f"{call} on {peer} failed ({name}): {details}")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Completion:
+    """One sample. Its token sequences are read-only: from a Generate reply they are the reply's
+    own repeated fields (no copy; a step has thousands of samples, and a Python object for every
+    token and logprob was most of the coordinator's time and of its garbage collector's)."""
+
     prompt_index: int
-    prompt_ids: list[int]
-    output_ids: list[int]
+    prompt_ids: Sequence[int]
+    output_ids: Sequence[int]
     text: str
-    logprobs: list[float]
+    logprobs: Sequence[float]
     finish_reason: str
     weight_version: int  # of its first token
     versions: tuple[tuple[int, int], ...] = ()  # (weight version, tokens) runs over output_ids, where reported
-    loss_mask: list[float] = field(default_factory=list)  # per output token (an episode's: 0 on observations); empty: all 1
+    loss_mask: Sequence[float] = ()  # per output token (an episode's: 0 on observations); empty: all 1
 
 
 class _Client:
@@ -291,19 +295,27 @@ class RolloutClient(_Client):
         reasons = {rollout_pb2.FINISH_REASON_STOP: "stop", rollout_pb2.FINISH_REASON_LENGTH: "length"}
         with self._call("Generate"):
             future = self._stub.Generate.future(request, timeout=self.deadline_s)
-        return Pending(self, "Generate", future, lambda reply: [self._completion(c, reasons) for c in reply.results])
+        return Pending(self, "Generate", future, lambda reply: self._completions(reply.results, reasons))
+
+    @classmethod
+    def _completions(cls, results, reasons) -> list[Completion]:
+        runs: dict = {}  # one tuple for equal version runs (most samples of a reply share them)
+        return [cls._completion(c, reasons, runs) for c in results]
 
     @staticmethod
-    def _completion(c, reasons) -> Completion:
+    def _completion(c, reasons, runs: dict | None = None) -> Completion:
+        versions = tuple([(r.version, r.tokens) for r in c.version_runs])
+        if runs is not None:  # (kept objects are what the garbage collector walks; a step keeps thousands)
+            versions = runs.setdefault(versions, versions)
         return Completion(
             prompt_index=c.prompt_index,
-            prompt_ids=c.prompt_ids[:],  # (a slice: a list, made faster than list() makes one)
-            output_ids=c.output_ids[:],
+            prompt_ids=c.prompt_ids,  # (the reply's repeated fields themselves: see Completion)
+            output_ids=c.output_ids,
             text=c.text,
-            logprobs=c.logprobs[:],
+            logprobs=c.logprobs,
             finish_reason=reasons.get(c.finish_reason, "abort"),
             weight_version=c.weight_version,
-            versions=tuple((r.version, r.tokens) for r in c.version_runs),
+            versions=versions,
         )
 
     def generate_stream(self, prompts_ids: list[list[int]], sampling: rollout_pb2.SamplingParams, *,
