@@ -48,6 +48,7 @@ class _Client:
     def __init__(self, address: str, token: str | None, deadline_s: float):
         self.address = address
         self.deadline_s = deadline_s
+        self._token = token
         self._channel = rpc.open_channel(address, token)
 
     def close(self) -> None:
@@ -62,9 +63,10 @@ class _Client:
 
 
 class Pending:
-    """A call under way (a gRPC future): `result()` waits for its reply, or raises PeerError."""
+    """A call under way (a gRPC future, or a FanOut's): `result()` waits for its reply, or raises
+    PeerError."""
 
-    def __init__(self, client: _Client, name: str, future: grpc.Future, then: Callable | None = None):
+    def __init__(self, client: _Client, name: str, future, then: Callable | None = None):
         self._client, self._name, self._future, self._then = client, name, future, then
 
     def result(self):
@@ -279,10 +281,10 @@ class RolloutClient(_Client):
 
     def generate_async(
         self, prompts: list[str], sampling: rollout_pb2.SamplingParams, *, return_logprobs: bool = True,
-        priority: str = "train",
+        priority: str = "train", fanout: rpc.FanOut | None = None,
     ) -> Pending:
-        """`generate` started and not waited for (many engines' calls without a thread each);
-        `result()` is the completions. `prompts` are texts, or token ids."""
+        """`generate` started and not waited for (many engines' calls without a thread each:
+        pass the caller's `fanout`); `result()` is the completions. `prompts` are texts, or token ids."""
         request = rollout_pb2.GenerateRequest(
             sampling=sampling,
             return_logprobs=return_logprobs,
@@ -294,7 +296,7 @@ class RolloutClient(_Client):
             request.prompts.extend(prompts)
         reasons = {rollout_pb2.FINISH_REASON_STOP: "stop", rollout_pb2.FINISH_REASON_LENGTH: "length"}
         with self._call("Generate"):
-            future = self._stub.Generate.future(request, timeout=self.deadline_s)
+            future = self._start(fanout, "Generate", request, self.deadline_s)
         return Pending(self, "Generate", future, lambda reply: self._completions(reply.results, reasons))
 
     @classmethod
@@ -339,16 +341,22 @@ class RolloutClient(_Client):
         return self.update_weights_async(manifest, timeout_s, exact, policy=policy, **source).result()
 
     def update_weights_async(self, manifest: weights_pb2.WeightManifest, timeout_s: float, exact: bool = False, *,
-                             policy: str = "drain", **source) -> Pending:
+                             policy: str = "drain", fanout: rpc.FanOut | None = None, **source) -> Pending:
         """`update_weights` started and not waited for: one sync reaches hundreds of engines
-        without a thread each (gRPC's own completion queue carries the calls)."""
+        without a thread each (with the caller's `fanout`)."""
         verify = weights_pb2.VERIFY_MODE_EXACT if exact else weights_pb2.VERIFY_MODE_FINGERPRINT
         request = rollout_pb2.UpdateWeightsRequest(
             version=manifest.version, manifest=manifest, timeout_s=timeout_s, verify=verify,
             policy=rollout_pb2.UpdatePolicy.Value(f"UPDATE_POLICY_{policy.upper()}"), **source
         )
         with self._call("UpdateWeights"):  # the sync's timeout bounds the whole call, with a little grace
-            return Pending(self, "UpdateWeights", self._stub.UpdateWeights.future(request, timeout=timeout_s * 1.1 + 2))
+            return Pending(self, "UpdateWeights", self._start(fanout, "UpdateWeights", request, timeout_s * 1.1 + 2))
+
+    def _start(self, fanout: rpc.FanOut | None, method: str, request, timeout: float):
+        """A call started: on `fanout` (one loop for every engine), else as this channel's future."""
+        if fanout is None:
+            return getattr(self._stub, method).future(request, timeout=timeout)
+        return fanout.call(self.address, self._token, rollout_pb2_grpc.RolloutStub, method, request, timeout)
 
     def init_weight_update_group(
         self, host: str, port: int, rank: int, world_size: int, name: str, backend: str, timeout_s: float

@@ -171,6 +171,7 @@ class RLLoop:
         self.cancelled = cancelled or threading.Event()
         self.weights_version = -1
         self._pool = ThreadPoolExecutor(max_workers=2 + 2 * len(fleet.engines))
+        self._fanout = rpc.FanOut("engine-calls")  # every engine's Generate and UpdateWeights, on one thread
         self.syncer: WeightSyncer | None = None
         self.trainers = TrainerGroup(fleet.trainers) if fleet.trainers else None
         self.critics: TrainerGroup | None = None  # PPO's value model (setup builds it; never in eval-only)
@@ -230,7 +231,7 @@ class RLLoop:
                 trainer=self.fleet.trainers[0], engines=self.fleet.engines,
                 trainer_caps=self.fleet.trainers[0].capabilities, engine_caps=[e.capabilities for e in self.fleet.engines],
                 forced=sync.plane, exact=exact, timeout_s=float(sync.timeout_s), token=self.fleet.trainer_token,
-                pool=self._pool, policy=self._update_policy(),
+                pool=self._pool, policy=self._update_policy(), fanout=self._fanout,
             )
             self.emit("log", 0, {"message": f"weight planes: {dict(zip((e.address for e in self.fleet.engines), self.syncer.planes))}"})
             if self.job.trainer.offload:  # an offloaded trainer sleeps whenever it is not training
@@ -431,7 +432,8 @@ class RLLoop:
 
     def _generate_on(self, engine: int, prompts: list[str], sampling, priority: str) -> _Groups:
         """The call to engine `engine`, started: `result()` is each prompt's completions."""
-        return _Groups(self.fleet.engines[engine].generate_async(prompts, sampling, priority=priority),
+        return _Groups(self.fleet.engines[engine].generate_async(prompts, sampling, priority=priority,
+                                                                 fanout=self._fanout),
                        max(1, sampling.n))
 
     def _prompt_text(self, example: Example) -> str:
@@ -890,6 +892,7 @@ class RLLoop:
         if getattr(self, "_remote_envs", None) is not None:
             self._remote_envs.close()
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._fanout.close()
         if self.trainers is not None:
             self.trainers.close()
         if self.critics is not None:
