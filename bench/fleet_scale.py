@@ -23,7 +23,6 @@ import multiprocessing
 import random
 import sys
 import time
-from concurrent import futures
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -35,6 +34,11 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # ---- the simulated workers (child processes) -----------------------------------------------------
 def _servers(count: int, with_trainer: bool, step_s: float, new_tokens: int, train_s: float, conn) -> None:
+    """`count` engines (and the trainer) as grpc.aio servers on one event loop: a sync server
+    polls on a thread of its own, and 256 of them burnt CPU the coordinator needs even between
+    calls; on one loop they share one poller, and a call needs no thread."""
+    import asyncio
+
     import grpc
 
     from services.api import rollout_pb2, rollout_pb2_grpc, trainer_pb2, trainer_pb2_grpc, weights_pb2
@@ -63,17 +67,17 @@ def _servers(count: int, with_trainer: bool, step_s: float, new_tokens: int, tra
         def _status(self):
             return rollout_pb2.RolloutStatus(configured=True, weight_version=self.version, serving=True)
 
-        def Configure(self, request, context):
+        async def Configure(self, request, context):
             return rollout_pb2.ConfigureRolloutResponse(status=self._status(), capabilities=weights_pb2.Capabilities())
 
-        def GetStatus(self, request, context):
+        async def GetStatus(self, request, context):
             return self._status()
 
-        def Generate(self, request, context):
-            time.sleep(new_tokens * step_s)
+        async def Generate(self, request, context):
+            await asyncio.sleep(new_tokens * step_s)
             return canned(len(request.prompts), max(1, request.sampling.n), self.version)
 
-        def UpdateWeights(self, request, context):
+        async def UpdateWeights(self, request, context):
             self.version = request.manifest.version
             return rollout_pb2.UpdateWeightsResponse(version=self.version)
 
@@ -85,37 +89,41 @@ def _servers(count: int, with_trainer: bool, step_s: float, new_tokens: int, tra
             return trainer_pb2.TrainerStatus(configured=True, has_optimizer=True, backend="simulated",
                                              lifecycle=trainer_pb2.LifecycleStatus(weights_version=self.version))
 
-        def Configure(self, request, context):
+        async def Configure(self, request, context):
             return trainer_pb2.ConfigureTrainerResponse(status=self._status(), capabilities=weights_pb2.Capabilities())
 
-        def GetStatus(self, request, context):
+        async def GetStatus(self, request, context):
             return self._status()
 
-        def TrainStep(self, request, context):
-            time.sleep(train_s)
+        async def TrainStep(self, request, context):
+            await asyncio.sleep(train_s)
             self.version += 1
             return trainer_pb2.TrainStepResponse(metrics={"loss": 0.0}, weights_version=self.version, step=self.version)
 
-        def GetWeightManifest(self, request, context):
+        async def GetWeightManifest(self, request, context):
             return trainer_pb2.GetWeightManifestResponse(manifest=weights_pb2.WeightManifest(version=self.version,
                                                                                               source="gpu"))
 
-    servers, addresses = [], []
-    for k in range(count + with_trainer):
-        server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
-        if with_trainer and k == 0:
-            trainer_pb2_grpc.add_TrainerServicer_to_server(Trainer(), server)
-        else:
-            rollout_pb2_grpc.add_RolloutServicer_to_server(Engine(), server)
-        port = server.add_insecure_port("127.0.0.1:0")
-        server.start()
-        servers.append(server)
-        addresses.append(f"127.0.0.1:{port}")
-    conn.send(addresses)
-    while conn.recv() == "cpu":  # until told to stop
-        conn.send(time.process_time())
-    for server in servers:
-        server.stop(0)
+    async def serve() -> None:
+        servers, addresses = [], []
+        for k in range(count + with_trainer):
+            server = grpc.aio.server(options=[("grpc.max_receive_message_length", 256 * 1024 * 1024)])
+            if with_trainer and k == 0:
+                trainer_pb2_grpc.add_TrainerServicer_to_server(Trainer(), server)
+            else:
+                rollout_pb2_grpc.add_RolloutServicer_to_server(Engine(), server)
+            port = server.add_insecure_port("127.0.0.1:0")
+            await server.start()
+            servers.append(server)
+            addresses.append(f"127.0.0.1:{port}")
+        conn.send(addresses)
+        loop = asyncio.get_running_loop()
+        while await loop.run_in_executor(None, conn.recv) == "cpu":  # until told to stop
+            conn.send(time.process_time())
+        for server in servers:
+            await server.stop(0)
+
+    asyncio.run(serve())
 
 
 class Workers:
