@@ -250,6 +250,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--png", type=Path)
     args = parser.parse_args(argv)
     counts = [int(c) for c in args.engines.split(",")]
+    from services.coordinator.serve import freeze_heap
+
+    freeze_heap()  # this process is the coordinator: it starts as `rlfleet serve coordinator` does
     lines = []
     for i, engines in enumerate(counts):
         print(f"# [{i + 1}/{len(counts)}] {engines} engines, {args.steps} steps ...", file=sys.stderr, flush=True)
