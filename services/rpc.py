@@ -289,10 +289,12 @@ class FanOut:
         self._stubs: dict[tuple[str, str, type], object] = {}
 
     def call(self, address: str, token: str | None, stub_type: type, method: str, request,
-             timeout: float) -> futures.Future:
-        """`stub_type(channel).method(request, timeout=timeout)` to `address`, started now."""
+             timeout: float, then: Callable | None = None) -> futures.Future:
+        """`stub_type(channel).method(request, timeout=timeout)` to `address`, started now; the
+        future's result is `then(reply)` when given, run on the loop's thread as the reply comes
+        (the caller's thread does not wake for each of hundreds of replies)."""
         future: futures.Future = futures.Future()
-        self._queue.append((address, token or "", stub_type, method, request, timeout, future))
+        self._queue.append((address, token or "", stub_type, method, request, timeout, then, future))
         with self._lock:
             wake, self._woken = not self._woken, True
         if wake:
@@ -305,13 +307,15 @@ class FanOut:
         while self._queue:
             self._loop.create_task(self._run(*self._queue.popleft()))
 
-    async def _run(self, address, token, stub_type, method, request, timeout, future) -> None:
+    async def _run(self, address, token, stub_type, method, request, timeout, then, future) -> None:
         if not future.set_running_or_notify_cancel():
             return
         metadata = (("authorization", f"Bearer {token}"),) if token else None
         try:
             reply = await getattr(self._stub(address, token, stub_type), method)(request, timeout=timeout,
                                                                               metadata=metadata)
+            if then is not None:
+                reply = then(reply)
         except BaseException as e:  # (the caller's to handle, as a sync call's would be)
             future.set_exception(e)
         else:

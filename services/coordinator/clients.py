@@ -8,7 +8,7 @@ peer and the call, chained to the original error.
 from __future__ import annotations
 
 import contextlib
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -73,6 +73,13 @@ class Pending:
         with self._client._call(self._name):
             reply = self._future.result()
         return self._then(reply) if self._then is not None else reply
+
+
+def wait_all(pending: list[Pending]) -> None:
+    """Until every call has its reply or its error: one wake-up for a whole fan-out, where
+    waiting on each in turn woke the caller (and took the GIL from the thread reading replies)
+    once a call."""
+    wait([p._future for p in pending if isinstance(p._future, Future)])  # (a channel's own future: by result())
 
 
 class TrainerClient(_Client):
@@ -295,9 +302,15 @@ class RolloutClient(_Client):
         else:
             request.prompts.extend(prompts)
         reasons = {rollout_pb2.FINISH_REASON_STOP: "stop", rollout_pb2.FINISH_REASON_LENGTH: "length"}
+        def completions(reply: rollout_pb2.GenerateResponse) -> list[Completion]:
+            return self._completions(reply.results, reasons)
+
         with self._call("Generate"):
-            future = self._start(fanout, "Generate", request, self.deadline_s)
-        return Pending(self, "Generate", future, lambda reply: self._completions(reply.results, reasons))
+            if fanout is None:
+                return Pending(self, "Generate", self._stub.Generate.future(request, timeout=self.deadline_s),
+                               completions)
+            return Pending(self, "Generate", fanout.call(self.address, self._token, rollout_pb2_grpc.RolloutStub,
+                                                         "Generate", request, self.deadline_s, then=completions))
 
     @classmethod
     def _completions(cls, results, reasons) -> list[Completion]:

@@ -18,7 +18,8 @@ from typing import TYPE_CHECKING, Callable, Iterator
 
 from services import rpc
 from services.api import rollout_pb2, trainer_pb2
-from services.coordinator.clients import Completion, PeerError, RolloutClient, TrainerClient, TrainerGroup
+from services.coordinator.clients import (Completion, Pending, PeerError, RolloutClient, TrainerClient, TrainerGroup,
+                                          wait_all)
 from services.coordinator.config import JobConfig, OptimizerConfig, SamplingConfig, SchedulerConfig
 from services.coordinator.datasets import Example, PromptSampler, load_examples, open_dataset
 from services.coordinator.pipeline import AsyncSteps, Rollout, select_groups
@@ -405,6 +406,7 @@ class RLLoop:
                 if shard
             }
             pending = []
+            wait_all([fut.pending for fut in futures.values()])
             for (engine, fut), shard in zip(futures.items(), [s for s in shards if s]):
                 try:
                     per_prompt = fut.result()
@@ -902,11 +904,11 @@ class RLLoop:
 class _Groups:
     """A Generate call under way; `result()` splits its completions into each prompt's n."""
 
-    def __init__(self, pending, n: int):
-        self._pending, self._n = pending, n
+    def __init__(self, pending: Pending, n: int):
+        self.pending, self._n = pending, n
 
     def result(self) -> list[list[Completion]]:
-        return _groups(self._pending.result(), self._n)
+        return _groups(self.pending.result(), self._n)
 
 
 def _joined(a: Rollout, b: Rollout) -> Rollout:

@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from services.api import weights_pb2
-from services.coordinator.clients import PeerError, RolloutClient, TrainerClient
+from services.coordinator.clients import PeerError, RolloutClient, TrainerClient, wait_all
 from services.rpc import FanOut
 
 PLANES = {
@@ -162,6 +162,7 @@ class WeightSyncer:
 
     def _collect(self, futures: dict, manifest) -> SyncResult:
         result = SyncResult(manifest.version, manifest.source, manifest.total_bytes)
+        wait_all(list(futures.values()))
         for i, fut in futures.items():
             try:
                 fut.result()
