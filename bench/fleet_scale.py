@@ -23,7 +23,6 @@ import multiprocessing
 import random
 import sys
 import time
-from concurrent import futures
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -35,9 +34,31 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # ---- the simulated workers (child processes) -----------------------------------------------------
 def _servers(count: int, with_trainer: bool, step_s: float, new_tokens: int, train_s: float, conn) -> None:
+    """`count` engines (and the trainer) as grpc.aio servers on one event loop: a sync server
+    polls on a thread of its own, and 256 of them burnt CPU the coordinator needs even between
+    calls; on one loop they share one poller, and a call needs no thread."""
+    import asyncio
+
     import grpc
 
     from services.api import rollout_pb2, rollout_pb2_grpc, trainer_pb2, trainer_pb2_grpc, weights_pb2
+
+    replies: dict[tuple[int, int, int], rollout_pb2.GenerateResponse] = {}
+
+    def canned(prompts: int, n: int, version: int) -> rollout_pb2.GenerateResponse:
+        """The reply to `prompts` prompts of n samples at `version`, built once: the simulators
+        share the coordinator's cores, and building thousands of messages a step in Python would
+        charge their work to the coordinator's overhead."""
+        key = (prompts, n, version)
+        if key not in replies:
+            run = [rollout_pb2.VersionRun(version=version, tokens=new_tokens)]
+            results = [rollout_pb2.Completion(prompt_index=i, prompt_ids=[3, 4, 5], output_ids=[6] * new_tokens,
+                                              text=str(j % 10), logprobs=[-0.5] * new_tokens,
+                                              finish_reason=rollout_pb2.FINISH_REASON_LENGTH,
+                                              weight_version=version, version_runs=run)
+                       for i in range(prompts) for j in range(n)]
+            replies[key] = rollout_pb2.GenerateResponse(results=results, weight_version=version)
+        return replies[key]
 
     class Engine(rollout_pb2_grpc.RolloutServicer):
         def __init__(self):
@@ -46,24 +67,17 @@ def _servers(count: int, with_trainer: bool, step_s: float, new_tokens: int, tra
         def _status(self):
             return rollout_pb2.RolloutStatus(configured=True, weight_version=self.version, serving=True)
 
-        def Configure(self, request, context):
+        async def Configure(self, request, context):
             return rollout_pb2.ConfigureRolloutResponse(status=self._status(), capabilities=weights_pb2.Capabilities())
 
-        def GetStatus(self, request, context):
+        async def GetStatus(self, request, context):
             return self._status()
 
-        def Generate(self, request, context):
-            time.sleep(new_tokens * step_s)
-            n = max(1, request.sampling.n)
-            run = [rollout_pb2.VersionRun(version=self.version, tokens=new_tokens)]
-            results = [rollout_pb2.Completion(prompt_index=i, prompt_ids=[3, 4, 5], output_ids=[6] * new_tokens,
-                                              text=str(j % 10), logprobs=[-0.5] * new_tokens,
-                                              finish_reason=rollout_pb2.FINISH_REASON_LENGTH,
-                                              weight_version=self.version, version_runs=run)
-                       for i in range(len(request.prompts)) for j in range(n)]
-            return rollout_pb2.GenerateResponse(results=results, weight_version=self.version)
+        async def Generate(self, request, context):
+            await asyncio.sleep(new_tokens * step_s)
+            return canned(len(request.prompts), max(1, request.sampling.n), self.version)
 
-        def UpdateWeights(self, request, context):
+        async def UpdateWeights(self, request, context):
             self.version = request.manifest.version
             return rollout_pb2.UpdateWeightsResponse(version=self.version)
 
@@ -75,36 +89,41 @@ def _servers(count: int, with_trainer: bool, step_s: float, new_tokens: int, tra
             return trainer_pb2.TrainerStatus(configured=True, has_optimizer=True, backend="simulated",
                                              lifecycle=trainer_pb2.LifecycleStatus(weights_version=self.version))
 
-        def Configure(self, request, context):
+        async def Configure(self, request, context):
             return trainer_pb2.ConfigureTrainerResponse(status=self._status(), capabilities=weights_pb2.Capabilities())
 
-        def GetStatus(self, request, context):
+        async def GetStatus(self, request, context):
             return self._status()
 
-        def TrainStep(self, request, context):
-            time.sleep(train_s)
+        async def TrainStep(self, request, context):
+            await asyncio.sleep(train_s)
             self.version += 1
             return trainer_pb2.TrainStepResponse(metrics={"loss": 0.0}, weights_version=self.version, step=self.version)
 
-        def GetWeightManifest(self, request, context):
+        async def GetWeightManifest(self, request, context):
             return trainer_pb2.GetWeightManifestResponse(manifest=weights_pb2.WeightManifest(version=self.version,
                                                                                               source="gpu"))
 
-    servers, addresses = [], []
-    for k in range(count + with_trainer):
-        server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
-        if with_trainer and k == 0:
-            trainer_pb2_grpc.add_TrainerServicer_to_server(Trainer(), server)
-        else:
-            rollout_pb2_grpc.add_RolloutServicer_to_server(Engine(), server)
-        port = server.add_insecure_port("127.0.0.1:0")
-        server.start()
-        servers.append(server)
-        addresses.append(f"127.0.0.1:{port}")
-    conn.send(addresses)
-    conn.recv()  # until told to stop
-    for server in servers:
-        server.stop(0)
+    async def serve() -> None:
+        servers, addresses = [], []
+        for k in range(count + with_trainer):
+            server = grpc.aio.server(options=[("grpc.max_receive_message_length", 256 * 1024 * 1024)])
+            if with_trainer and k == 0:
+                trainer_pb2_grpc.add_TrainerServicer_to_server(Trainer(), server)
+            else:
+                rollout_pb2_grpc.add_RolloutServicer_to_server(Engine(), server)
+            port = server.add_insecure_port("127.0.0.1:0")
+            await server.start()
+            servers.append(server)
+            addresses.append(f"127.0.0.1:{port}")
+        conn.send(addresses)
+        loop = asyncio.get_running_loop()
+        while await loop.run_in_executor(None, conn.recv) == "cpu":  # until told to stop
+            conn.send(time.process_time())
+        for server in servers:
+            await server.stop(0)
+
+    asyncio.run(serve())
 
 
 class Workers:
@@ -124,6 +143,12 @@ class Workers:
             self.pipes.append(mine)
         lists = [pipe.recv() for pipe in self.pipes]
         self.trainer, self.engines = lists[0][0], lists[0][1:] + [a for part in lists[1:] for a in part]
+
+    def cpu_s(self) -> float:
+        """CPU seconds the simulated workers have used so far (all their processes)."""
+        for pipe in self.pipes:
+            pipe.send("cpu")
+        return sum(pipe.recv() for pipe in self.pipes)
 
     def close(self) -> None:
         for pipe in self.pipes:
@@ -163,9 +188,10 @@ weight_sync: {{plane: grpc_stream, verify: fingerprint}}
                                 shuffle=True)
         loop._sampler = sampler
         loop.rl_step(1, sampler.next_batch())  # warm: connections, first calls
-        wall, cpu = time.perf_counter(), time.process_time()
+        wall, cpu, workers_cpu = time.perf_counter(), time.process_time(), workers.cpu_s()
         metrics = [loop.rl_step(step, sampler.next_batch()) for step in range(2, steps + 2)]
         wall, cpu = (time.perf_counter() - wall) / steps, (time.process_time() - cpu) / steps
+        workers_cpu = (workers.cpu_s() - workers_cpu) / steps
         loop.close()
     finally:
         workers.close()
@@ -178,6 +204,8 @@ weight_sync: {{plane: grpc_stream, verify: fingerprint}}
         "bench": "fleet_scale", "engines": engines, "steps": steps, "samples_per_step": prompts_per_engine * engines * samples,
         "step_s": round(wall, 4), "limit_s": round(limit, 4), "overhead_s": round(wall - limit, 4),
         "overhead_frac": round((wall - limit) / wall, 4), "coordinator_cpu_s": round(cpu, 4),
+        # the simulators' own CPU a step: on a machine with few cores they compete with the coordinator
+        "simulators_cpu_s": round(workers_cpu, 4),
         # where the overhead is: each phase's time less its simulated part (generate: spreading
         # prompts and reading completions; train: rewards, advantages and the batch; sync: all of it)
         "generate_overhead_s": round(mean("generate_s") - new_tokens * step_ms / 1000, 4),
@@ -222,6 +250,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--png", type=Path)
     args = parser.parse_args(argv)
     counts = [int(c) for c in args.engines.split(",")]
+    from services.coordinator.serve import freeze_heap
+
+    freeze_heap()  # this process is the coordinator: it starts as `rlfleet serve coordinator` does
     lines = []
     for i, engines in enumerate(counts):
         print(f"# [{i + 1}/{len(counts)}] {engines} engines, {args.steps} steps ...", file=sys.stderr, flush=True)
@@ -230,7 +261,8 @@ def main(argv: list[str] | None = None) -> int:
         emit(line, args.out)
         lines.append(line)
         print(f"#   step {line['step_s']} s (limit {line['limit_s']} s): overhead {100 * line['overhead_frac']:.1f}%, "
-              f"coordinator CPU {line['coordinator_cpu_s']} s a step", file=sys.stderr, flush=True)
+              f"coordinator CPU {line['coordinator_cpu_s']} s a step, simulators' {line['simulators_cpu_s']} s",
+              file=sys.stderr, flush=True)
     if args.png:
         plot(lines, args.png)
     return 0

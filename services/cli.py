@@ -80,7 +80,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             return EXIT_CONFIG
     else:
         from services.coordinator.discovery import DiscoveryError
-        from services.coordinator.serve import build_coordinator
+        from services.coordinator.serve import build_coordinator, freeze_heap
 
         worker_token = _read_token(args.worker_token_file, "RLFLEET_WORKER_TOKEN")
         try:
@@ -101,6 +101,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             print(f"rlfleet: {e}", file=sys.stderr)
             return EXIT_CONFIG
         manager = server.manager
+        freeze_heap()
     log.info("serving on %s:%d%s", args.host, server.port, " (bearer token required)" if token else "")
     _write_ready(args.ready_file, server.port, getattr(server, "http_port", None))
     if args.role == "coordinator" and args.job:

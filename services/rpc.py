@@ -262,6 +262,99 @@ def open_channel(address: str, token: str | None = None, tls: TlsConfig | None =
     return channel
 
 
+class FanOut:
+    """Unary calls to many peers at once, carried by one asyncio loop on one thread.
+
+    A sync channel's `future()` starts a thread for the channel whenever it has no call in
+    flight, so a call to each of hundreds of engines started hundreds of threads, one after the
+    other, and the last engine got its request that much later. Here every call is a task on one
+    loop over grpc.aio channels (one per address and token, kept until `close`); `call` returns
+    a concurrent future of the reply, whose error is the call's grpc.RpcError. Calls queued
+    while the loop is busy start together at its next wake-up (one wake-up for a whole fan-out,
+    not one per call). Channels have the settings `open_channel` gives (TLS from the
+    environment, message limits, bearer token).
+    """
+
+    def __init__(self, name: str = "rpc-fanout"):
+        import asyncio
+        import collections
+
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name=name, daemon=True)
+        self._thread.start()
+        self._queue: collections.deque = collections.deque()
+        self._lock = threading.Lock()
+        self._woken = False  # a drain is scheduled and has not begun
+        self._channels: dict[tuple[str, str], grpc.aio.Channel] = {}
+        self._stubs: dict[tuple[str, str, type], object] = {}
+
+    def call(self, address: str, token: str | None, stub_type: type, method: str, request,
+             timeout: float, then: Callable | None = None) -> futures.Future:
+        """`stub_type(channel).method(request, timeout=timeout)` to `address`, started now; the
+        future's result is `then(reply)` when given, run on the loop's thread as the reply comes
+        (the caller's thread does not wake for each of hundreds of replies)."""
+        future: futures.Future = futures.Future()
+        self._queue.append((address, token or "", stub_type, method, request, timeout, then, future))
+        with self._lock:
+            wake, self._woken = not self._woken, True
+        if wake:
+            self._loop.call_soon_threadsafe(self._drain)
+        return future
+
+    def _drain(self) -> None:  # (on the loop's thread, as are all below)
+        with self._lock:
+            self._woken = False
+        while self._queue:
+            self._loop.create_task(self._run(*self._queue.popleft()))
+
+    async def _run(self, address, token, stub_type, method, request, timeout, then, future) -> None:
+        if not future.set_running_or_notify_cancel():
+            return
+        metadata = (("authorization", f"Bearer {token}"),) if token else None
+        try:
+            reply = await getattr(self._stub(address, token, stub_type), method)(request, timeout=timeout,
+                                                                              metadata=metadata)
+            if then is not None:
+                reply = then(reply)
+        except BaseException as e:  # (the caller's to handle, as a sync call's would be)
+            future.set_exception(e)
+        else:
+            future.set_result(reply)
+
+    def _stub(self, address: str, token: str, stub_type: type):
+        key = (address, token, stub_type)
+        if key not in self._stubs:
+            if (address, token) not in self._channels:
+                self._channels[address, token] = _aio_channel(address)
+            self._stubs[key] = stub_type(self._channels[address, token])
+        return self._stubs[key]
+
+    def close(self) -> None:
+        if not self._thread.is_alive():
+            return
+        import asyncio
+
+        async def close_channels():
+            for channel in self._channels.values():
+                await channel.close()
+
+        try:
+            asyncio.run_coroutine_threadsafe(close_channels(), self._loop).result(timeout=10)
+        finally:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(10)
+            if not self._thread.is_alive():
+                self._loop.close()
+
+
+def _aio_channel(address: str) -> grpc.aio.Channel:
+    tls = TlsConfig.from_env()
+    if tls is not None and tls.ca is not None:
+        return grpc.aio.secure_channel(address, tls.channel_credentials(),
+                                       options=_CHANNEL_OPTIONS + tls.channel_options())
+    return grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
+
+
 def wait_ready(address: str, timeout_s: float, token: str | None = None) -> None:
     """Wait until the server at `address` reports SERVING on grpc.health.v1."""
     import time

@@ -8,9 +8,9 @@ peer and the call, chained to the original error.
 from __future__ import annotations
 
 import contextlib
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
-from typing import Callable
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
+from typing import Callable, Sequence
 
 import grpc
 
@@ -27,23 +27,28 @@ class PeerError(RuntimeError):
         super().__init__(f"{call} on {peer} failed ({name}): {details}")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Completion:
+    """One sample. Its token sequences are read-only: from a Generate reply they are the reply's
+    own repeated fields (no copy; a step has thousands of samples, and a Python object for every
+    token and logprob was most of the coordinator's time and of its garbage collector's)."""
+
     prompt_index: int
-    prompt_ids: list[int]
-    output_ids: list[int]
+    prompt_ids: Sequence[int]
+    output_ids: Sequence[int]
     text: str
-    logprobs: list[float]
+    logprobs: Sequence[float]
     finish_reason: str
     weight_version: int  # of its first token
     versions: tuple[tuple[int, int], ...] = ()  # (weight version, tokens) runs over output_ids, where reported
-    loss_mask: list[float] = field(default_factory=list)  # per output token (an episode's: 0 on observations); empty: all 1
+    loss_mask: Sequence[float] = ()  # per output token (an episode's: 0 on observations); empty: all 1
 
 
 class _Client:
     def __init__(self, address: str, token: str | None, deadline_s: float):
         self.address = address
         self.deadline_s = deadline_s
+        self._token = token
         self._channel = rpc.open_channel(address, token)
 
     def close(self) -> None:
@@ -58,15 +63,23 @@ class _Client:
 
 
 class Pending:
-    """A call under way (a gRPC future): `result()` waits for its reply, or raises PeerError."""
+    """A call under way (a gRPC future, or a FanOut's): `result()` waits for its reply, or raises
+    PeerError."""
 
-    def __init__(self, client: _Client, name: str, future: grpc.Future, then: Callable | None = None):
+    def __init__(self, client: _Client, name: str, future, then: Callable | None = None):
         self._client, self._name, self._future, self._then = client, name, future, then
 
     def result(self):
         with self._client._call(self._name):
             reply = self._future.result()
         return self._then(reply) if self._then is not None else reply
+
+
+def wait_all(pending: list[Pending]) -> None:
+    """Until every call has its reply or its error: one wake-up for a whole fan-out, where
+    waiting on each in turn woke the caller (and took the GIL from the thread reading replies)
+    once a call."""
+    wait([p._future for p in pending if isinstance(p._future, Future)])  # (a channel's own future: by result())
 
 
 class TrainerClient(_Client):
@@ -275,10 +288,10 @@ class RolloutClient(_Client):
 
     def generate_async(
         self, prompts: list[str], sampling: rollout_pb2.SamplingParams, *, return_logprobs: bool = True,
-        priority: str = "train",
+        priority: str = "train", fanout: rpc.FanOut | None = None,
     ) -> Pending:
-        """`generate` started and not waited for (many engines' calls without a thread each);
-        `result()` is the completions. `prompts` are texts, or token ids."""
+        """`generate` started and not waited for (many engines' calls without a thread each:
+        pass the caller's `fanout`); `result()` is the completions. `prompts` are texts, or token ids."""
         request = rollout_pb2.GenerateRequest(
             sampling=sampling,
             return_logprobs=return_logprobs,
@@ -289,21 +302,35 @@ class RolloutClient(_Client):
         else:
             request.prompts.extend(prompts)
         reasons = {rollout_pb2.FINISH_REASON_STOP: "stop", rollout_pb2.FINISH_REASON_LENGTH: "length"}
+        def completions(reply: rollout_pb2.GenerateResponse) -> list[Completion]:
+            return self._completions(reply.results, reasons)
+
         with self._call("Generate"):
-            future = self._stub.Generate.future(request, timeout=self.deadline_s)
-        return Pending(self, "Generate", future, lambda reply: [self._completion(c, reasons) for c in reply.results])
+            if fanout is None:
+                return Pending(self, "Generate", self._stub.Generate.future(request, timeout=self.deadline_s),
+                               completions)
+            return Pending(self, "Generate", fanout.call(self.address, self._token, rollout_pb2_grpc.RolloutStub,
+                                                         "Generate", request, self.deadline_s, then=completions))
+
+    @classmethod
+    def _completions(cls, results, reasons) -> list[Completion]:
+        runs: dict = {}  # one tuple for equal version runs (most samples of a reply share them)
+        return [cls._completion(c, reasons, runs) for c in results]
 
     @staticmethod
-    def _completion(c, reasons) -> Completion:
+    def _completion(c, reasons, runs: dict | None = None) -> Completion:
+        versions = tuple([(r.version, r.tokens) for r in c.version_runs])
+        if runs is not None:  # (kept objects are what the garbage collector walks; a step keeps thousands)
+            versions = runs.setdefault(versions, versions)
         return Completion(
             prompt_index=c.prompt_index,
-            prompt_ids=c.prompt_ids[:],  # (a slice: a list, made faster than list() makes one)
-            output_ids=c.output_ids[:],
+            prompt_ids=c.prompt_ids,  # (the reply's repeated fields themselves: see Completion)
+            output_ids=c.output_ids,
             text=c.text,
-            logprobs=c.logprobs[:],
+            logprobs=c.logprobs,
             finish_reason=reasons.get(c.finish_reason, "abort"),
             weight_version=c.weight_version,
-            versions=tuple((r.version, r.tokens) for r in c.version_runs),
+            versions=versions,
         )
 
     def generate_stream(self, prompts_ids: list[list[int]], sampling: rollout_pb2.SamplingParams, *,
@@ -327,16 +354,22 @@ class RolloutClient(_Client):
         return self.update_weights_async(manifest, timeout_s, exact, policy=policy, **source).result()
 
     def update_weights_async(self, manifest: weights_pb2.WeightManifest, timeout_s: float, exact: bool = False, *,
-                             policy: str = "drain", **source) -> Pending:
+                             policy: str = "drain", fanout: rpc.FanOut | None = None, **source) -> Pending:
         """`update_weights` started and not waited for: one sync reaches hundreds of engines
-        without a thread each (gRPC's own completion queue carries the calls)."""
+        without a thread each (with the caller's `fanout`)."""
         verify = weights_pb2.VERIFY_MODE_EXACT if exact else weights_pb2.VERIFY_MODE_FINGERPRINT
         request = rollout_pb2.UpdateWeightsRequest(
             version=manifest.version, manifest=manifest, timeout_s=timeout_s, verify=verify,
             policy=rollout_pb2.UpdatePolicy.Value(f"UPDATE_POLICY_{policy.upper()}"), **source
         )
         with self._call("UpdateWeights"):  # the sync's timeout bounds the whole call, with a little grace
-            return Pending(self, "UpdateWeights", self._stub.UpdateWeights.future(request, timeout=timeout_s * 1.1 + 2))
+            return Pending(self, "UpdateWeights", self._start(fanout, "UpdateWeights", request, timeout_s * 1.1 + 2))
+
+    def _start(self, fanout: rpc.FanOut | None, method: str, request, timeout: float):
+        """A call started: on `fanout` (one loop for every engine), else as this channel's future."""
+        if fanout is None:
+            return getattr(self._stub, method).future(request, timeout=timeout)
+        return fanout.call(self.address, self._token, rollout_pb2_grpc.RolloutStub, method, request, timeout)
 
     def init_weight_update_group(
         self, host: str, port: int, rank: int, world_size: int, name: str, backend: str, timeout_s: float

@@ -18,7 +18,8 @@ from typing import TYPE_CHECKING, Callable, Iterator
 
 from services import rpc
 from services.api import rollout_pb2, trainer_pb2
-from services.coordinator.clients import Completion, PeerError, RolloutClient, TrainerClient, TrainerGroup
+from services.coordinator.clients import (Completion, Pending, PeerError, RolloutClient, TrainerClient, TrainerGroup,
+                                          wait_all)
 from services.coordinator.config import JobConfig, OptimizerConfig, SamplingConfig, SchedulerConfig
 from services.coordinator.datasets import Example, PromptSampler, load_examples, open_dataset
 from services.coordinator.pipeline import AsyncSteps, Rollout, select_groups
@@ -171,6 +172,7 @@ class RLLoop:
         self.cancelled = cancelled or threading.Event()
         self.weights_version = -1
         self._pool = ThreadPoolExecutor(max_workers=2 + 2 * len(fleet.engines))
+        self._fanout = rpc.FanOut("engine-calls")  # every engine's Generate and UpdateWeights, on one thread
         self.syncer: WeightSyncer | None = None
         self.trainers = TrainerGroup(fleet.trainers) if fleet.trainers else None
         self.critics: TrainerGroup | None = None  # PPO's value model (setup builds it; never in eval-only)
@@ -230,7 +232,7 @@ class RLLoop:
                 trainer=self.fleet.trainers[0], engines=self.fleet.engines,
                 trainer_caps=self.fleet.trainers[0].capabilities, engine_caps=[e.capabilities for e in self.fleet.engines],
                 forced=sync.plane, exact=exact, timeout_s=float(sync.timeout_s), token=self.fleet.trainer_token,
-                pool=self._pool, policy=self._update_policy(),
+                pool=self._pool, policy=self._update_policy(), fanout=self._fanout,
             )
             self.emit("log", 0, {"message": f"weight planes: {dict(zip((e.address for e in self.fleet.engines), self.syncer.planes))}"})
             if self.job.trainer.offload:  # an offloaded trainer sleeps whenever it is not training
@@ -404,6 +406,7 @@ class RLLoop:
                 if shard
             }
             pending = []
+            wait_all([fut.pending for fut in futures.values()])
             for (engine, fut), shard in zip(futures.items(), [s for s in shards if s]):
                 try:
                     per_prompt = fut.result()
@@ -431,7 +434,8 @@ class RLLoop:
 
     def _generate_on(self, engine: int, prompts: list[str], sampling, priority: str) -> _Groups:
         """The call to engine `engine`, started: `result()` is each prompt's completions."""
-        return _Groups(self.fleet.engines[engine].generate_async(prompts, sampling, priority=priority),
+        return _Groups(self.fleet.engines[engine].generate_async(prompts, sampling, priority=priority,
+                                                                 fanout=self._fanout),
                        max(1, sampling.n))
 
     def _prompt_text(self, example: Example) -> str:
@@ -624,17 +628,7 @@ class RLLoop:
                 kl_reward = self._kl_in_reward(completions).view(len(examples), n)  # [P, n]
                 rewards = rewards - algo.kl_coef * kl_reward
             advantages = compute_advantages(algo.advantage, rewards, normalize_std=algo.normalize_std).view(-1)
-            batch = trainer_pb2.Batch(samples=[
-                trainer_pb2.Sample(
-                    prompt_ids=c.prompt_ids,
-                    response_ids=c.output_ids,
-                    advantage=adv,
-                    old_logprobs=c.logprobs,
-                    loss_mask=c.loss_mask,
-                )
-                for c, adv in zip(completions, advantages.tolist())  # (floats: not a 0-d tensor each)
-                if c.output_ids
-            ])
+            batch = _policy_batch(completions, advantages.tolist())  # (floats: not a 0-d tensor each)
         if algo.needs_ref and algo.use_kl_loss:
             for sample, ref in zip(batch.samples, trainer.compute_logprobs("ref", batch)):
                 sample.ref_logprobs.extend(ref)
@@ -900,6 +894,7 @@ class RLLoop:
         if getattr(self, "_remote_envs", None) is not None:
             self._remote_envs.close()
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._fanout.close()
         if self.trainers is not None:
             self.trainers.close()
         if self.critics is not None:
@@ -909,11 +904,11 @@ class RLLoop:
 class _Groups:
     """A Generate call under way; `result()` splits its completions into each prompt's n."""
 
-    def __init__(self, pending, n: int):
-        self._pending, self._n = pending, n
+    def __init__(self, pending: Pending, n: int):
+        self.pending, self._n = pending, n
 
     def result(self) -> list[list[Completion]]:
-        return _groups(self._pending.result(), self._n)
+        return _groups(self.pending.result(), self._n)
 
 
 def _joined(a: Rollout, b: Rollout) -> Rollout:
@@ -931,6 +926,22 @@ def _episode_metrics(episodes: list) -> dict[str, float]:
         "turns_mean": sum(ep.turns for ep in episodes) / len(episodes),
         "episodes_truncated_frac": sum(ep.truncated for ep in episodes) / len(episodes),
     }
+
+
+def _policy_batch(completions: list[Completion], advantages: list[float]) -> trainer_pb2.Batch:
+    """The policy's batch: every non-empty completion with its advantage. Filled field by field
+    with `extend`, which copies a reply's repeated fields without a Python object per token (three
+    times faster than a Sample built from keywords, at thousands of samples a step)."""
+    batch = trainer_pb2.Batch()
+    add = batch.samples.add
+    for c, adv in zip(completions, advantages):
+        if c.output_ids:
+            sample = add(advantage=adv)
+            sample.prompt_ids.extend(c.prompt_ids)
+            sample.response_ids.extend(c.output_ids)
+            sample.old_logprobs.extend(c.logprobs)
+            sample.loss_mask.extend(c.loss_mask)
+    return batch
 
 
 def _groups(completions: list[Completion], n: int) -> list[list[Completion]]:

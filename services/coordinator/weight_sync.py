@@ -14,7 +14,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from services.api import weights_pb2
-from services.coordinator.clients import PeerError, RolloutClient, TrainerClient
+from services.coordinator.clients import PeerError, RolloutClient, TrainerClient, wait_all
+from services.rpc import FanOut
 
 PLANES = {
     "grpc_stream": weights_pb2.WEIGHT_PLANE_GRPC_STREAM,
@@ -97,8 +98,9 @@ class SyncResult:
 class WeightSyncer:
     def __init__(self, *, trainer: TrainerClient, engines: list[RolloutClient], trainer_caps, engine_caps,
                  forced: str, exact: bool, timeout_s: float, token: str, pool: ThreadPoolExecutor,
-                 policy: str = "drain"):
+                 policy: str = "drain", fanout: FanOut | None = None):
         self.trainer, self.engines = trainer, engines
+        self._fanout = fanout  # carries every engine's UpdateWeights at once (else each is its channel's future)
         self.policy = policy  # what the engines do with rows generating when the weights change
         self.trainer_caps, self.engine_caps = trainer_caps, engine_caps
         self.exact, self.timeout_s, self.token, self._pool = exact, timeout_s, token, pool
@@ -153,12 +155,14 @@ class WeightSyncer:
 
     def _submit_updates(self, members, manifest, **source) -> dict:
         return {
-            i: self.engines[i].update_weights_async(manifest, self.timeout_s, self.exact, policy=self.policy, **source)
+            i: self.engines[i].update_weights_async(manifest, self.timeout_s, self.exact, policy=self.policy,
+                                                    fanout=self._fanout, **source)
             for i in members
         }
 
     def _collect(self, futures: dict, manifest) -> SyncResult:
         result = SyncResult(manifest.version, manifest.source, manifest.total_bytes)
+        wait_all(list(futures.values()))
         for i, fut in futures.items():
             try:
                 fut.result()
