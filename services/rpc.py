@@ -248,15 +248,7 @@ def open_channel(address: str, token: str | None = None, tls: TlsConfig | None =
     """A channel to `address` that adds the bearer token to every call: over TLS when the process
     has TLS settings (`tls`, or the environment's: see services.tls), in plaintext otherwise.
     `max_receive_bytes` bounds a reply's size (larger: RESOURCE_EXHAUSTED, nothing read)."""
-    tls = tls if tls is not None else TlsConfig.from_env()
-    options = list(_CHANNEL_OPTIONS)
-    if max_receive_bytes is not None:
-        options = [o for o in options if o[0] != "grpc.max_receive_message_length"]
-        options.append(("grpc.max_receive_message_length", max_receive_bytes))
-    if tls is not None and tls.ca is not None:
-        channel = grpc.secure_channel(address, tls.channel_credentials(), options=options + tls.channel_options())
-    else:
-        channel = grpc.insecure_channel(address, options=options)
+    channel = _channel(grpc, address, tls, max_receive_bytes)
     if token:
         channel = grpc.intercept_channel(channel, _TokenMetadata(token))
     return channel
@@ -325,7 +317,7 @@ class FanOut:
         key = (address, token, stub_type)
         if key not in self._stubs:
             if (address, token) not in self._channels:
-                self._channels[address, token] = _aio_channel(address)
+                self._channels[address, token] = _channel(grpc.aio, address)
             self._stubs[key] = stub_type(self._channels[address, token])
         return self._stubs[key]
 
@@ -347,12 +339,17 @@ class FanOut:
                 self._loop.close()
 
 
-def _aio_channel(address: str) -> grpc.aio.Channel:
-    tls = TlsConfig.from_env()
+def _channel(kind, address: str, tls: TlsConfig | None = None, max_receive_bytes: int | None = None):
+    """A channel of `kind` (the module `grpc`, or `grpc.aio`) with the project's options: over
+    TLS when the process has TLS settings (`tls`, or the environment's), in plaintext otherwise."""
+    tls = tls if tls is not None else TlsConfig.from_env()
+    options = list(_CHANNEL_OPTIONS)
+    if max_receive_bytes is not None:
+        options = [o for o in options if o[0] != "grpc.max_receive_message_length"]
+        options.append(("grpc.max_receive_message_length", max_receive_bytes))
     if tls is not None and tls.ca is not None:
-        return grpc.aio.secure_channel(address, tls.channel_credentials(),
-                                       options=_CHANNEL_OPTIONS + tls.channel_options())
-    return grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
+        return kind.secure_channel(address, tls.channel_credentials(), options=options + tls.channel_options())
+    return kind.insecure_channel(address, options=options)
 
 
 def wait_ready(address: str, timeout_s: float, token: str | None = None) -> None:
