@@ -19,6 +19,31 @@ from services.rollout.builtin.attention_kernels import _attend_tile, _kv_tile
 
 
 @triton.jit
+def _query_rows(q_ptr, prompt, kv_head, first_row, length, stride_qg, stride_qt, GROUP: tl.constexpr,
+                HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, BLOCK_M: tl.constexpr):
+    """A block of packed query rows of one (prompt, KV head): row r is token r // GROUP's query
+    head kv_head * GROUP + r % GROUP. -> (q [BLOCK_M, DIM_PAD], token, head, row_ok, d, dim_ok)."""
+    r = first_row + tl.arange(0, BLOCK_M)
+    d = tl.arange(0, DIM_PAD)
+    token = r // GROUP
+    head = kv_head * GROUP + r % GROUP
+    row_ok = token < length
+    dim_ok = d < HEAD_DIM
+    q_offs = prompt.to(tl.int64) * stride_qg + token[:, None] * stride_qt + head[:, None] * HEAD_DIM + d[None, :]
+    q = tl.load(q_ptr + q_offs, mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
+    return q, token, head, row_ok, d, dim_ok
+
+
+@triton.jit
+def _store_rows(out_ptr, acc, l, prompt, token, head, row_ok, d, dim_ok, stride_og, stride_ot,
+                HEAD_DIM: tl.constexpr):
+    """The rows' attention (acc / l) to out [G, P, H*D] at their (token, head)."""
+    o_offs = prompt.to(tl.int64) * stride_og + token[:, None] * stride_ot + head[:, None] * HEAD_DIM + d[None, :]
+    tl.store(out_ptr + o_offs, (acc / l[:, None]).to(out_ptr.dtype.element_ty),
+             mask=row_ok[:, None] & dim_ok[None, :])
+
+
+@triton.jit
 def _prefill_attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, length, stride_qg, stride_qt, stride_kg, stride_kt,
                               stride_vg, stride_vt, stride_og, stride_ot, scale, GROUP: tl.constexpr,
                               HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -28,15 +53,9 @@ def _prefill_attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, length, stride_qg, s
     kernel's online softmax (`_attend_tile`)."""
     prompt = tl.program_id(0)
     kv_head = tl.program_id(1)
-    r = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
-    d = tl.arange(0, DIM_PAD)
+    q, token, head, row_ok, d, dim_ok = _query_rows(q_ptr, prompt, kv_head, tl.program_id(2) * BLOCK_M, length,
+                                                    stride_qg, stride_qt, GROUP, HEAD_DIM, DIM_PAD, BLOCK_M)
     n = tl.arange(0, BLOCK_N)
-    token = r // GROUP
-    head = kv_head * GROUP + r % GROUP
-    row_ok = token < length
-    dim_ok = d < HEAD_DIM
-    q_offs = prompt.to(tl.int64) * stride_qg + token[:, None] * stride_qt + head[:, None] * HEAD_DIM + d[None, :]
-    q = tl.load(q_ptr + q_offs, mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
     k_base = k_ptr + prompt.to(tl.int64) * stride_kg + kv_head * HEAD_DIM
     v_base = v_ptr + prompt.to(tl.int64) * stride_vg + kv_head * HEAD_DIM
     m = tl.full((BLOCK_M,), float("-inf"), tl.float32)
@@ -49,9 +68,7 @@ def _prefill_attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, length, stride_qg, s
         k = tl.load(k_base + t[:, None] * stride_kt + d[None, :], mask=kv_ok, other=0.0)
         v = tl.load(v_base + t[:, None] * stride_vt + d[None, :], mask=kv_ok, other=0.0)
         m, l, acc = _attend_tile(q, k, v, t[None, :] <= token[:, None], m, l, acc, scale, IEEE)  # causal
-    o_offs = prompt.to(tl.int64) * stride_og + token[:, None] * stride_ot + head[:, None] * HEAD_DIM + d[None, :]
-    tl.store(out_ptr + o_offs, (acc / l[:, None]).to(out_ptr.dtype.element_ty),
-             mask=row_ok[:, None] & dim_ok[None, :])
+    _store_rows(out_ptr, acc, l, prompt, token, head, row_ok, d, dim_ok, stride_og, stride_ot, HEAD_DIM)
 
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_m: int = 64, block_n: int | None = None,
@@ -91,15 +108,9 @@ def _extend_attention_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, starts_ptr, lengths_
     first_row = tl.program_id(2) * BLOCK_M
     start = tl.load(starts_ptr + prompt)
     length = tl.load(lengths_ptr + prompt)
-    r = first_row + tl.arange(0, BLOCK_M)
-    d = tl.arange(0, DIM_PAD)
+    q, token, head, row_ok, d, dim_ok = _query_rows(q_ptr, prompt, kv_head, first_row, length, stride_qg, stride_qt,
+                                                    GROUP, HEAD_DIM, DIM_PAD, BLOCK_M)
     n = tl.arange(0, BLOCK_N)
-    token = r // GROUP
-    head = kv_head * GROUP + r % GROUP
-    row_ok = token < length
-    dim_ok = d < HEAD_DIM
-    q_offs = prompt.to(tl.int64) * stride_qg + token[:, None] * stride_qt + head[:, None] * HEAD_DIM + d[None, :]
-    q = tl.load(q_ptr + q_offs, mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
     # Keys up to the block's last real query (none for a block past the suffix: scalar bounds,
     # so the loop runs no tile it does not need).
     last = tl.minimum((first_row + BLOCK_M - 1) // GROUP, length - 1)
@@ -114,9 +125,7 @@ def _extend_attention_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, starts_ptr, lengths_
         # (padding rows see position 0 only: finite, and never stored)
         visible = ((first + n)[None, :] <= tl.where(row_ok, at, 0)[:, None]) & ok[None, :]
         m, l, acc = _attend_tile(q, k, v, visible, m, l, acc, scale, IEEE)
-    o_offs = prompt.to(tl.int64) * stride_og + token[:, None] * stride_ot + head[:, None] * HEAD_DIM + d[None, :]
-    tl.store(out_ptr + o_offs, (acc / l[:, None]).to(out_ptr.dtype.element_ty),
-             mask=row_ok[:, None] & dim_ok[None, :])
+    _store_rows(out_ptr, acc, l, prompt, token, head, row_ok, d, dim_ok, stride_og, stride_ot, HEAD_DIM)
 
 
 def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
