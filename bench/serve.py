@@ -9,6 +9,13 @@ towards 1/C of its batched throughput. A PNG draws ratio and latency against C.
 
     python bench/serve.py --out run.jsonl --png bench/results/serve-<machine>.png && python bench/common.py publish serve run.jsonl
     python bench/serve.py --device cuda --shape 0.5b --new-tokens 128 --processes 8   # a GPU: Qwen2.5-0.5B's shape
+    python bench/serve.py --device cuda --shape 0.5b --new-tokens 128 --in-process --profile-serving prof/
+
+`--in-process` runs the engine in the bench process and its C clients as threads calling
+`generate` directly: no gRPC, no server threads. Its ratio against the gRPC one's says how much of
+what is lost is the front end's (request and reply handling beside the serving thread) and how
+much the scheduler's own. `--profile-serving DIR` (with `--in-process`) writes a cProfile of the
+serving thread for each C, and the share of its wall time it had the CPU.
 """
 
 from __future__ import annotations
@@ -42,6 +49,100 @@ def shaped_model(shape: str, directory: Path) -> Path:
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(ARITH_MODEL / name, directory / name)
     return directory
+
+
+def run_in_process(model: Path, *, clients: int, seconds: float, max_new_tokens: int, device: str,
+                   max_batch_size: int, warmup: float, load_weights: bool = True, dtype: str = "float32",
+                   profile: Path | None = None) -> dict:
+    """bench/load.py's measurement without gRPC: one engine in this process, `clients` threads
+    calling `generate` with one prompt back to back; the limit is one call of `clients` prompts."""
+    import statistics
+    import threading
+    import time
+
+    from bench.common import commit, machine
+    from services.rollout.engine import RolloutEngine, RolloutSettings
+    from services.rollout.types import Sampling
+
+    engine = RolloutEngine(RolloutSettings(model_path=str(model), device=device, dtype=dtype,
+                                           max_batch_size=max_batch_size, load_weights=load_weights))
+    prompt = [engine.tokenizer.encode(p) for p in PROMPT]
+    sampling = Sampling(max_new_tokens=max_new_tokens, ignore_eos=True)
+    engine.generate(prompt, sampling)
+    engine.generate(prompt * clients, sampling)
+    started = time.perf_counter()
+    engine.generate(prompt * clients, sampling)
+    limit = clients / (time.perf_counter() - started)
+    profiler, cpu = None, {}
+    if profile is not None:
+        import cProfile
+
+        profiler = cProfile.Profile()
+        engine.close()  # a fresh engine whose serving thread starts under the profiler
+        engine = RolloutEngine(RolloutSettings(model_path=str(model), device=device, dtype=dtype,
+                                               max_batch_size=max_batch_size, load_weights=load_weights))
+        serve = engine._serve
+
+        def profiled() -> None:  # the serving thread, under the profiler, its CPU time kept
+            started_wall, started_cpu = time.perf_counter(), time.thread_time()
+            profiler.enable()
+            try:
+                serve()
+            finally:
+                profiler.disable()
+                cpu.update(wall=time.perf_counter() - started_wall, cpu=time.thread_time() - started_cpu)
+
+        engine._serve = profiled
+        engine.generate(prompt * clients, sampling)
+    measure_at = time.perf_counter() + warmup
+    stop_at = measure_at + seconds
+    latencies: list[float] = []
+    lock = threading.Lock()
+
+    def client() -> None:
+        while time.perf_counter() < stop_at:
+            t0 = time.perf_counter()
+            results, _ = engine.generate(prompt, sampling)
+            assert len(results[0].output_ids) == max_new_tokens
+            if t0 >= measure_at:
+                with lock:
+                    latencies.append(time.perf_counter() - t0)
+
+    workers = [threading.Thread(target=client) for _ in range(clients)]
+    for w in workers:
+        w.start()
+    time.sleep(max(0.0, measure_at - time.perf_counter()))
+    first = engine.load()
+    for w in workers:
+        w.join()
+    last = engine.load()
+    elapsed = time.perf_counter() - measure_at
+    engine.close()
+    quantiles = statistics.quantiles(latencies, n=100) if len(latencies) >= 2 else [float("nan")] * 99
+    steps = last.decode_steps - first.decode_steps
+    line = {
+        "steps_per_round": round(steps / max(last.rounds - first.rounds, 1), 2),
+        "rows_per_step": round((last.row_steps - first.row_steps) / max(steps, 1), 1),
+        **{k: round(getattr(last, k) - getattr(first, k), 3) for k in ("prefill_s", "decode_s", "host_s")},
+        "clients": clients, "in_process": True, "device": device, "seconds": round(elapsed, 2),
+        "calls": len(latencies), "completions_per_s": round(len(latencies) / elapsed, 1),
+        "tokens_per_s": round(len(latencies) / elapsed * max_new_tokens, 1), "limit_completions_per_s": round(limit, 1),
+        "ratio": round(len(latencies) / elapsed / limit, 3), "p50_s": round(quantiles[49], 4),
+        "p99_s": round(quantiles[98], 4), "date": time.strftime("%Y-%m-%d"), "commit": commit(), "machine": machine(),
+    }
+    if profiler is not None:
+        import io
+        import pstats
+
+        line["serving_cpu_share"] = round(cpu["cpu"] / max(cpu["wall"], 1e-9), 3)
+        profile.mkdir(parents=True, exist_ok=True)
+        text = io.StringIO()
+        stats = pstats.Stats(profiler, stream=text)
+        stats.sort_stats("tottime").print_stats(45)
+        stats.sort_stats("cumulative").print_stats(45)
+        (profile / f"serving-c{clients}.txt").write_text(f"serving thread: cpu {cpu['cpu']:.2f} s of {cpu['wall']:.2f} s wall\n"
+                                                       + text.getvalue())
+    return line
 
 
 def plot(lines: list[dict], path: Path) -> None:
@@ -80,6 +181,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=float, default=2.0,
                         help="seconds of the same load before counting (graphs for its shapes captured)")
     parser.add_argument("--new-tokens", type=int, default=16)
+    parser.add_argument("--in-process", action="store_true", help="no gRPC: the engine and its clients in this process")
+    parser.add_argument("--profile-serving", type=Path, metavar="DIR", help="with --in-process: cProfile the serving thread")
     parser.add_argument("--out", type=Path)
     parser.add_argument("--png", type=Path)
     args = parser.parse_args(argv)
@@ -99,9 +202,15 @@ def main(argv: list[str] | None = None) -> int:
     lines = []
     for i, clients in enumerate(counts):
         print(f"# [{i + 1}/{len(counts)}] {clients} clients for {args.seconds:.0f} s ...", file=sys.stderr, flush=True)
-        line = run(model, clients=clients, seconds=args.seconds, max_new_tokens=args.new_tokens, prompts=PROMPT,
-                   device=args.device, max_batch_size=max(counts), processes=args.processes, warmup=args.warmup,
-                   **options)
+        if args.in_process:
+            line = run_in_process(model, clients=clients, seconds=args.seconds, max_new_tokens=args.new_tokens,
+                                  device=args.device, max_batch_size=max(counts), warmup=args.warmup,
+                                  profile=args.profile_serving, **options)
+            line.update(prefills_per_round=None, preempted=None, shed=0, errors=0, client_processes=0)
+        else:
+            line = run(model, clients=clients, seconds=args.seconds, max_new_tokens=args.new_tokens, prompts=PROMPT,
+                       device=args.device, max_batch_size=max(counts), processes=args.processes, warmup=args.warmup,
+                       **options)
         line = {**line, "bench": "serve", "max_new_tokens": args.new_tokens, "model": args.shape or model.name,
                 "warmup_s": args.warmup}
         emit(line, args.out)
