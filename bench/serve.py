@@ -15,7 +15,8 @@ towards 1/C of its batched throughput. A PNG draws ratio and latency against C.
 `generate` directly: no gRPC, no server threads. Its ratio against the gRPC one's says how much of
 what is lost is the front end's (request and reply handling beside the serving thread) and how
 much the scheduler's own. `--profile-serving DIR` (with `--in-process`) writes a cProfile of the
-serving thread for each C, and the share of its wall time it had the CPU.
+serving thread for each C, and the share of its wall time it had the CPU; `--trace DIR` a short
+torch.profiler timeline of each C (Chrome trace) and the share of it the device was busy.
 """
 
 from __future__ import annotations
@@ -51,9 +52,38 @@ def shaped_model(shape: str, directory: Path) -> Path:
     return directory
 
 
+def device_timeline(path: Path, seconds: float) -> float:
+    """torch.profiler over every thread and the GPU for `seconds`, its Chrome trace written to
+    `path`; returns the share of that time some kernel or copy ran on the device."""
+    import time
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        time.sleep(seconds)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    prof.export_chrome_trace(str(path))
+    spans = sorted((e.start_ns(), e.start_ns() + e.duration_ns()) for e in prof.profiler.kineto_results.events()
+                   if e.device_type() == torch.autograd.DeviceType.CUDA)
+    if not spans:
+        return 0.0
+    busy, (start, end) = 0, spans[0]
+    first = start
+    for a, b in spans[1:]:
+        if a > end:
+            busy, start, end = busy + end - start, a, b
+        else:
+            end = max(end, b)
+    busy += end - start
+    return round(busy / max(end - first, 1), 3)
+
+
 def run_in_process(model: Path, *, clients: int, seconds: float, max_new_tokens: int, device: str,
                    max_batch_size: int, warmup: float, load_weights: bool = True, dtype: str = "float32",
-                   profile: Path | None = None) -> dict:
+                   profile: Path | None = None, trace: Path | None = None) -> dict:
     """bench/load.py's measurement without gRPC: one engine in this process, `clients` threads
     calling `generate` with one prompt back to back; the limit is one call of `clients` prompts."""
     import statistics
@@ -113,6 +143,10 @@ def run_in_process(model: Path, *, clients: int, seconds: float, max_new_tokens:
         w.start()
     time.sleep(max(0.0, measure_at - time.perf_counter()))
     first = engine.load()
+    timeline = None
+    if trace is not None:  # a short device timeline from the middle of the counted window
+        time.sleep(seconds / 2)
+        timeline = device_timeline(trace / f"serve-c{clients}.json", 0.3)
     for w in workers:
         w.join()
     last = engine.load()
@@ -130,6 +164,8 @@ def run_in_process(model: Path, *, clients: int, seconds: float, max_new_tokens:
         "ratio": round(len(latencies) / elapsed / limit, 3), "p50_s": round(quantiles[49], 4),
         "p99_s": round(quantiles[98], 4), "date": time.strftime("%Y-%m-%d"), "commit": commit(), "machine": machine(),
     }
+    if timeline is not None:
+        line["device_busy_frac"] = timeline
     if profiler is not None:
         import io
         import pstats
@@ -183,6 +219,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--new-tokens", type=int, default=16)
     parser.add_argument("--in-process", action="store_true", help="no gRPC: the engine and its clients in this process")
     parser.add_argument("--profile-serving", type=Path, metavar="DIR", help="with --in-process: cProfile the serving thread")
+    parser.add_argument("--trace", type=Path, metavar="DIR",
+                        help="with --in-process on a GPU: a 0.3 s torch.profiler trace of each C, and the device's busy share")
     parser.add_argument("--out", type=Path)
     parser.add_argument("--png", type=Path)
     args = parser.parse_args(argv)
@@ -205,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.in_process:
             line = run_in_process(model, clients=clients, seconds=args.seconds, max_new_tokens=args.new_tokens,
                                   device=args.device, max_batch_size=max(counts), warmup=args.warmup,
-                                  profile=args.profile_serving, **options)
+                                  profile=args.profile_serving, trace=args.trace, **options)
             line.update(prefills_per_round=None, preempted=None, shed=0, errors=0, client_processes=0)
         else:
             line = run(model, clients=clients, seconds=args.seconds, max_new_tokens=args.new_tokens, prompts=PROMPT,
