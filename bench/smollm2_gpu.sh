@@ -18,7 +18,7 @@ cp /tmp/carry-a/tokenizer.json /tmp/carry-a/tokenizer_config.json examples/smoll
 JOB=${JOB:-job.yaml}
 if [ "$JOB" = agent.yaml ]; then python3 examples/smollm2/make_agent_data.py || exit 1; fi
 if [ "$JOB" = async ]; then
-  timeout 540 python3 bench/async.py --jobs examples/smollm2/job.yaml examples/smollm2/async.yaml \
+  timeout 380 python3 bench/async.py --jobs examples/smollm2/job.yaml examples/smollm2/async.yaml \
     --out "$OUT/async.jsonl" --png "$OUT/async.png" 2>&1 | grep -v -i "warn" | tail -30
   exit "${PIPESTATUS[0]}"
 fi
