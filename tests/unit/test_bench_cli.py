@@ -24,6 +24,7 @@ CPU_RUNS = {
     "weight_sync": ["--mb", "4", "--repeats", "1", "--planes", "shm", "--device", "cpu", "--json"],
     "parity": ["--device", "cpu", "--archs", "qwen3", "--head-dims", "48", "--batches", "1"],
     "async": ["--steps", "2"],
+    "frontend": ["--clients", "4", "--seconds", "1", "--new-tokens", "4"],
     "fleet_scale": ["--engines", "1,2", "--steps", "1", "--train-ms", "50", "--new-tokens", "4", "--processes", "1"],
 }
 # Run as users run them elsewhere: verify_floor by tests/integration/test_bench_verify_floor.py;
@@ -58,6 +59,16 @@ def test_cpu_mode_runs_and_reports(name, tmp_path):
     lines = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
     assert lines, out.stdout[-2000:]
     assert all("commit" in line and "machine" in line for line in lines)
+
+
+def test_serve_in_process_profiles_the_serving_thread(tmp_path):
+    out = _run("serve", "--clients", "2", "--seconds", "1", "--warmup", "0.5", "--new-tokens", "4", "--in-process",
+               "--profile-serving", str(tmp_path / "prof"))
+    assert out.returncode == 0, out.stderr[-3000:]
+    [line] = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    assert line["in_process"] and line["calls"] > 0 and 0 < line["serving_cpu_share"] <= 1.0, line
+    profile = (tmp_path / "prof" / "serving-c2.txt").read_text()
+    assert "Scheduler.round" in profile or "scheduler.py" in profile  # the serving thread's own calls
 
 
 @pytest.mark.parametrize("name", GPU_ONLY)
