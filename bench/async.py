@@ -100,12 +100,13 @@ def run_job(path: Path, steps: int | None, work: Path) -> dict:
     if done.returncode != 0:
         raise RuntimeError(f"{path.name} failed:\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}")
     summary = json.loads((out / "summary.json").read_text())
-    steps_ = [json.loads(line)["metrics"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steps_ = [r["metrics"] for r in records]
     evals = [json.loads(line) for line in (out / "eval.jsonl").read_text().splitlines()]
     phase = {k: round(sum(m.get(k, 0.0) for m in steps_), 2) for k in ("generate_s", "train_s", "sync_s")}
     # The share of the machine's cores the job kept busy from its first eval to its last step.
     start = evals[0]["time"]
-    end = max([e["time"] for e in evals] + [json.loads(line)["time"] for line in (out / "metrics.jsonl").read_text().splitlines()])
+    end = max([e["time"] for e in evals] + [r["time"] for r in records])
     busy = (_cpu_at(cpu, end) - _cpu_at(cpu, start)) / max(end - start, 1e-9) / len(os.sched_getaffinity(0))
     line = {
         "job": path.name, "asynchronous": bool(config.get("algorithm", {}).get("async")), "steps": summary["steps"],
@@ -162,8 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     sync, async_ = lines
     hidden = min(sync["generate_s"], sync["train_s"] + sync["sync_s"])
     # Two floors under the asynchronous wall time: the synchronous run less the generation the
-    # trainer could hide, and its CPU seconds spread over every core (overlapped phases share the
-    # cores; on a small CPU that floor is the higher one).
+    # trainer could hide, and the share of the cores it kept busy (overlapped phases share them).
     overlap_floor = sync["wall_s"] - hidden
     cpu_floor = sync["wall_s"] * sync["cores_busy"]
     limit = sync["wall_s"] / max(overlap_floor, cpu_floor, 1e-9)
@@ -178,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
                      "date": time.strftime("%Y-%m-%d"), "commit": commit(), "machine": machine()})
         emit(line, args.out)
     print(f"# async wall {async_['wall_s']} s = {lines[0]['wall_ratio']} x sync {sync['wall_s']} s "
-          f"(floors: perfect overlap {overlap_floor / sync['wall_s']:.3f} x, CPU seconds over {len(os.sched_getaffinity(0))} cores "
+          f"(floors: perfect overlap {overlap_floor / sync['wall_s']:.3f} x, busy cores of {len(os.sched_getaffinity(0))} "
           f"{cpu_floor / sync['wall_s']:.3f} x); accuracy {async_['eval_after']} vs {sync['eval_after']}",
           file=sys.stderr, flush=True)
     if args.png:

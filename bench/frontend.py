@@ -66,9 +66,9 @@ class _Bare(rollout_pb2_grpc.RolloutServicer):
 
 
 def _servicer_server() -> tuple[rpc.Server, int]:
-    server = rollout_server.build_server()
-    servicer = server.on_stop[0].__self__  # (build_server registers the servicer's close)
+    servicer = rollout_server.RolloutServicer()
     servicer._engine = InstantEngine()
+    server = rollout_server.build_server(servicer=servicer)
     return server, server.port
 
 

@@ -157,6 +157,8 @@ def run_in_process(model: Path, *, clients: int, seconds: float, max_new_tokens:
     line = {
         "steps_per_round": round(steps / max(last.rounds - first.rounds, 1), 2),
         "rows_per_step": round((last.row_steps - first.row_steps) / max(steps, 1), 1),
+        "prefills_per_round": round((last.prefills - first.prefills) / max(last.rounds - first.rounds, 1), 2),
+        "preempted": last.preempted - first.preempted, "shed": 0, "errors": 0, "client_processes": 0,
         **{k: round(getattr(last, k) - getattr(first, k), 3) for k in ("prefill_s", "decode_s", "host_s")},
         "clients": clients, "in_process": True, "device": device, "seconds": round(elapsed, 2),
         "calls": len(latencies), "completions_per_s": round(len(latencies) / elapsed, 1),
@@ -244,7 +246,6 @@ def main(argv: list[str] | None = None) -> int:
             line = run_in_process(model, clients=clients, seconds=args.seconds, max_new_tokens=args.new_tokens,
                                   device=args.device, max_batch_size=max(counts), warmup=args.warmup,
                                   profile=args.profile_serving, trace=args.trace, **options)
-            line.update(prefills_per_round=None, preempted=None, shed=0, errors=0, client_processes=0)
         else:
             line = run(model, clients=clients, seconds=args.seconds, max_new_tokens=args.new_tokens, prompts=PROMPT,
                        device=args.device, max_batch_size=max(counts), processes=args.processes, warmup=args.warmup,

@@ -460,9 +460,11 @@ def _policy(engine, policy: str) -> dict:
     return {"policy": policy} if hasattr(engine, "update_policies") else {}
 
 
-def build_server(address: str = "127.0.0.1:0", token: str | None = None, metrics_port: int | None = None) -> rpc.Server:
-    """A rollout server; Prometheus metrics at http://<host>:<metrics_port>/metrics when given."""
-    servicer = RolloutServicer()
+def build_server(address: str = "127.0.0.1:0", token: str | None = None, metrics_port: int | None = None,
+                 servicer: RolloutServicer | None = None) -> rpc.Server:
+    """A rollout server (of `servicer`, a new one by default); Prometheus metrics at
+    http://<host>:<metrics_port>/metrics when given."""
+    servicer = servicer or RolloutServicer()
     server = rpc.create_server(
         lambda s: rollout_pb2_grpc.add_RolloutServicer_to_server(servicer, s),
         (SERVICE_NAME,),
