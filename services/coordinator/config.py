@@ -328,10 +328,14 @@ class EvalConfig:
     Attributes:
         every: evaluate every this many RL steps; 0 = only before the first and after the last step.
         datasets: evaluation sets.
+        overlap: with algorithm.async, an eval between steps runs beside the next step's training
+            instead of before it. It stays pinned to its step's weights: the next weight sync
+            waits for it (docs/async.md). Ignored by the synchronous loop.
     """
 
     every: int = 10
     datasets: tuple[EvalDatasetConfig, ...] = ()
+    overlap: bool = True
 
     def __post_init__(self) -> None:
         _check(self.every >= 0, "every", f"must be >= 0, got {self.every}")

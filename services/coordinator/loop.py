@@ -168,7 +168,7 @@ class RLLoop:
         self.job = job
         self.resume = resume
         self.fleet = fleet
-        self.emit = emit
+        self.emit = _serialized(emit)  # (the producer and an eval beside training emit too)
         self.cancelled = cancelled or threading.Event()
         self.weights_version = -1
         self._pool = ThreadPoolExecutor(max_workers=2 + 2 * len(fleet.engines))
@@ -188,6 +188,7 @@ class RLLoop:
         self._rng = random.Random(job.seed)  # every sampling seed (run() starts it afresh)
         self._seeds_drawn = 0
         self._sampler: PromptSampler | None = None  # the training data, as run() deals it
+        self._eval_beside: tuple[threading.Thread, dict] | None = None  # an eval running beside training
         if self._chat is not None and not self._chat.chat_template:  # fail before any worker is configured
             raise ValueError(f"data.messages_key: {job.model} has no chat template to render conversations with")
         self._frame = None  # an agent job on chat prompts: observations as messages of the template
@@ -445,8 +446,11 @@ class RLLoop:
         return self._chat.apply_chat_template(example.messages, add_generation_prompt=True)
 
     # ---- eval --------------------------------------------------------------------------------
-    def evaluate(self, step: int) -> dict[str, float]:
+    def evaluate(self, step: int, *, beside_training: bool = False) -> dict[str, float]:
+        """Every eval set at the engines' weights now (`weights_version` in each eval event). Its
+        tokens are checked against that version: `tokens_at_other_versions` counts any that are not."""
         scores = {}
+        version = self.weights_version
         for ds, examples, reward in self._eval_sets:
             started = time.perf_counter()
             extra: dict[str, float] = {}
@@ -459,6 +463,7 @@ class RLLoop:
                 prompts = [self._prompt_text(e) for e in examples]
                 completions = self.generate(prompts, sampling_params(ds.sampling, seed=self.job.seed),
                                             priority="eval")
+                extra["tokens_at_other_versions"] = sum(n for c in completions for v, n in c.versions if v != version)
                 rewards = score_all(reward, [(c.text, e.answer, p, e.metadata)
                                              for c, e, p in zip(completions, examples, prompts)])
             scores[ds.name] = sum(rewards) / len(rewards)
@@ -469,12 +474,43 @@ class RLLoop:
                     "dataset": ds.name,
                     "score": scores[ds.name],
                     "num_prompts": len(examples),
-                    "weights_version": self.weights_version,
+                    "weights_version": version,
                     "seconds": time.perf_counter() - started,
+                    "beside_training": beside_training,
                     **extra,
                 },
             )
         return scores
+
+    def _evaluate_beside_training(self, step: int) -> None:
+        """Step `step`'s eval on a thread of its own while the next step trains. It stays at this
+        step's weights: the next weight sync waits for it (`_finish_eval`)."""
+        self._finish_eval()
+        failure: dict = {}
+
+        def run() -> None:
+            try:
+                self.evaluate(step, beside_training=True)
+            except BaseException as e:  # noqa: BLE001 (raised on the job's thread by _finish_eval)
+                failure["error"] = e
+
+        thread = threading.Thread(target=run, name=f"eval-step-{step}", daemon=True)
+        thread.start()
+        self._eval_beside = (thread, failure)
+
+    def _finish_eval(self) -> float:
+        """Wait for the eval running beside training, if one is; its error is raised here. The
+        seconds waited are returned (the trainer's wait for it)."""
+        if self._eval_beside is None:
+            return 0.0
+        (thread, failure), started = self._eval_beside, time.perf_counter()
+        while thread.is_alive():
+            self._check_cancelled()
+            thread.join(timeout=0.2)
+        self._eval_beside = None
+        if "error" in failure:
+            raise failure["error"]
+        return time.perf_counter() - started
 
     # ---- training ----------------------------------------------------------------------------
     def rl_step(self, step: int, examples: list[Example]) -> dict[str, float]:
@@ -639,6 +675,8 @@ class RLLoop:
         if job.trainer.offload:  # every sync of an offloaded trainer reads its host copy
             trainer.sleep()
         t2 = time.perf_counter()
+        eval_running = self._eval_beside is not None
+        eval_wait = self._finish_eval()  # an eval beside this step keeps its weights until it ends
         sync = self.sync_weights(step)
         lengths = [len(c.output_ids) for c in completions]
         metrics = {
@@ -653,6 +691,7 @@ class RLLoop:
             "sync_s": sync["seconds"],
             "sync_from_host": float(sync["source"] == "host"),
             **({"sleep_s": t2 - slept} if job.trainer.offload else {}),
+            **({"eval_wait_s": eval_wait} if eval_running else {}),
             **({"kl_reward_mean": float(kl_reward.mean())} if kl_reward is not None else {}),
             "weights_version": float(self.weights_version),
             **critic_metrics,
@@ -800,12 +839,16 @@ class RLLoop:
                 for step, _ in steps or self._sync_steps(sampler, first):  # each trained, its weights synced
                     last = step == job.num_rollout
                     if job.eval.every and step % job.eval.every == 0 and not last:
-                        scores = self.evaluate(step)
+                        if steps is not None and job.eval.overlap:
+                            self._evaluate_beside_training(step)
+                        else:
+                            scores = self.evaluate(step)
                     if job.checkpoint.every and (step % job.checkpoint.every == 0 or last):
                         self.save_checkpoint(step)
             finally:
                 if steps is not None:
                     steps.close()
+            self._finish_eval()
             scores = self.evaluate(step)
         primary = job.eval.datasets[0].name
         return {
@@ -899,6 +942,17 @@ class RLLoop:
             self.trainers.close()
         if self.critics is not None:
             self.critics.close()
+
+
+def _serialized(emit: Emit) -> Emit:
+    """`emit`, one event at a time whichever thread calls it."""
+    lock = threading.Lock()
+
+    def serialized(kind: str, step: int, data: dict) -> None:
+        with lock:
+            emit(kind, step, data)
+
+    return serialized
 
 
 class _Groups:

@@ -17,7 +17,10 @@ from tests.integration.conftest import addresses, run_job
 NOISE = ("_s", "time", "wake", "sleep", "_frac", "queue_depth")  # timings and what depends on them
 
 
-def _job(name, model, train, test, out, algorithm: str = "", steps: int = 8) -> str:
+EVAL = "{{every: 4, datasets: [{{name: h, path: {test}, limit: 8, sampling: {{temperature: 0.0, max_new_tokens: 3}}}}]}}"
+
+
+def _job(name, model, train, test, out, algorithm: str = "", steps: int = 8, eval_: str = EVAL) -> str:
     return textwrap.dedent(f"""
         name: {name}
         seed: 3
@@ -26,7 +29,7 @@ def _job(name, model, train, test, out, algorithm: str = "", steps: int = 8) -> 
         output_dir: {out}
         rollout: {{prompts_per_step: 4, samples_per_prompt: 4, sampling: {{max_new_tokens: 6}}}}
         data: {{train: {train}}}
-        eval: {{every: 4, datasets: [{{name: h, path: {test}, limit: 8, sampling: {{temperature: 0.0, max_new_tokens: 3}}}}]}}
+        eval: {eval_.format(test=test)}
         trainer: {{optimizer: {{lr: 0.01}}}}
         algorithm: {{advantage: grpo{algorithm}}}
         """)
@@ -58,6 +61,27 @@ def test_no_trained_sample_is_more_than_max_staleness_versions_old(fleet, tiny_m
     evals = [e for e in events if e.kind == "eval"]
     assert [e.step for e in evals] == [0, 4, 8]
     assert [json.loads(e.data_json)["weights_version"] for e in evals] == [0, 4, 8]  # each at its step's weights
+    assert [json.loads(e.data_json)["beside_training"] for e in evals] == [False, True, False]
+
+
+def test_an_eval_beside_training_stays_at_its_steps_weights(fleet, tiny_model_dir, task_files, tmp_path):
+    """A long eval (64 prompts of 48 greedy tokens) runs while the next step trains, and the sync
+    after that step waits for it: no eval token comes from the weights trained meanwhile."""
+    train, test = task_files
+    long_eval = (f"{{{{every: 2, datasets: [{{{{name: long, path: {train}, limit: 64, "
+                 "sampling: {{temperature: 0.0, max_new_tokens: 48}}}}]}}")
+    job = _job("eval-beside", tiny_model_dir, train, test, tmp_path / "out",
+               ", async: {max_staleness: 1, correction: tis, tis_cap: 2.0}", steps=6, eval_=long_eval)
+    final, events = run_job(addresses(fleet)["coordinator"], job, timeout_s=180)
+    assert final.state == coordinator_pb2.JOB_STATE_SUCCEEDED, final.error
+    steps = _steps(events)
+    evals = {e.step: json.loads(e.data_json) for e in events if e.kind == "eval"}
+    assert sorted(evals) == [0, 2, 4, 6]
+    for step in (2, 4):  # beside the training of step + 1, whose sync waited for it
+        assert evals[step]["beside_training"] and evals[step]["weights_version"] == step, evals[step]
+        assert evals[step]["tokens_at_other_versions"] == 0, evals[step]
+        assert "eval_wait_s" in steps[step + 1] and "eval_wait_s" not in steps[step + 2]
+    assert all(e["tokens_at_other_versions"] == 0 for e in evals.values())
 
 
 def test_max_staleness_0_is_the_synchronous_job_bit_for_bit(fleet, tiny_model_dir, task_files, tmp_path):
