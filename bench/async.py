@@ -5,7 +5,9 @@ Reported for each: wall time, held-out accuracy before and after, the sum of its
 (generate, train, sync), and for the asynchronous one the trainer's idle fraction and the
 staleness of what it trained on. The limit is the higher of two floors under the asynchronous
 wall time, both from the synchronous run: perfect overlap of its phases (its wall time less the
-generation the trainer could hide, min(generate, train + sync)), and the share of the machine's
+work the trainer could hide: min(generate + reward + the evals between steps, train + sync), as
+the producer generates and scores while the trainer trains and an eval runs beside the next
+step), and the share of the machine's
 cores it kept busy (`cores_busy`: its processes' CPU seconds from its first eval to its last step
 over the cores and that time: overlapped phases share the cores, so the same work cannot take
 less); `speedup_ratio` is the speedup measured over that limit's.
@@ -103,7 +105,10 @@ def run_job(path: Path, steps: int | None, work: Path) -> dict:
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     steps_ = [r["metrics"] for r in records]
     evals = [json.loads(line) for line in (out / "eval.jsonl").read_text().splitlines()]
-    phase = {k: round(sum(m.get(k, 0.0) for m in steps_), 2) for k in ("generate_s", "train_s", "sync_s")}
+    phase = {k: round(sum(m.get(k, 0.0) for m in steps_), 2) for k in ("generate_s", "reward_s", "train_s", "sync_s")}
+    # the evals between steps (not the one before training, nor the one after the last step)
+    phase["between_evals_s"] = round(sum(e["metrics"]["seconds"] for e in evals
+                                         if 0 < e["step"] < summary["steps"]), 2)
     # The share of the machine's cores the job kept busy from its first eval to its last step.
     start = evals[0]["time"]
     end = max([e["time"] for e in evals] + [r["time"] for r in records])
@@ -161,9 +166,10 @@ def main(argv: list[str] | None = None) -> int:
                   flush=True)
             lines.append(line)
     sync, async_ = lines
-    hidden = min(sync["generate_s"], sync["train_s"] + sync["sync_s"])
-    # Two floors under the asynchronous wall time: the synchronous run less the generation the
-    # trainer could hide, and the share of the cores it kept busy (overlapped phases share them).
+    hidden = min(sync["generate_s"] + sync["reward_s"] + sync["between_evals_s"], sync["train_s"] + sync["sync_s"])
+    # Two floors under the asynchronous wall time: the synchronous run less the producer's work
+    # and the evals the trainer could hide, and the share of the cores it kept busy (overlapped
+    # phases share them).
     overlap_floor = sync["wall_s"] - hidden
     cpu_floor = sync["wall_s"] * sync["cores_busy"]
     limit = sync["wall_s"] / max(overlap_floor, cpu_floor, 1e-9)

@@ -556,6 +556,7 @@ class RLLoop:
             rounds += 1
             rollout = self._generate_groups(step, self._sampler.next_batch())
             kept.generate_s += rollout.generate_s
+            kept.reward_s += rollout.reward_s
         varied = min(want, len(kept.examples))
         if not kept.examples:  # nothing varied: the first batch, whose advantages are all 0
             kept = first
@@ -577,7 +578,8 @@ class RLLoop:
         rewards = score_all(self._reward, [(c.text, e.answer, p, e.metadata)
                                            for e, p, group in zip(examples, prompts, _groups(completions, n))
                                            for c in group])
-        return Rollout(step, examples, prompts, completions, generated, version, rewards)
+        return Rollout(step, examples, prompts, completions, generated, version, rewards,
+                       reward_s=time.perf_counter() - t0 - generated)
 
     def _episodes(self, step: int, examples: list[Example]) -> Rollout:
         """`samples_per_prompt` multi-turn episodes of each example (`agents.run_episodes`), every
@@ -687,6 +689,7 @@ class RLLoop:
             "samples": float(len(completions)),
             "truncated_frac": sum(c.finish_reason == "length" for c in completions) / len(completions),
             "generate_s": rollout.generate_s,
+            "reward_s": rollout.reward_s,
             "train_s": t2 - t1,
             "sync_s": sync["seconds"],
             "sync_from_host": float(sync["source"] == "host"),

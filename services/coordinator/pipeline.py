@@ -36,6 +36,7 @@ class Rollout:
     version: int  # the weights' version when generation began (its tokens are from it or later)
     rewards: list[float] = field(default_factory=list)  # one per completion
     metrics: dict[str, float] = field(default_factory=dict)  # of its making (dynamic sampling)
+    reward_s: float = 0.0  # scoring its completions (on the producer's thread when asynchronous)
 
 
 def oldest_version(completion: Completion) -> int:

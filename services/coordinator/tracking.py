@@ -32,6 +32,7 @@ METRIC_NAMES: dict[tuple[str, str], str | None] = {
     ("step", "response_len_mean"): "rollout/response_len_mean",
     ("step", "truncated_frac"): "rollout/truncated_frac",
     ("step", "generate_s"): "rollout/generate_s",
+    ("step", "reward_s"): "rollout/reward_s",
     ("step", "kl_reward_mean"): "rollout/kl_reward_mean",
     ("step", "train_s"): "train/train_s",
     ("step", "sleep_s"): "train/sleep_s",
