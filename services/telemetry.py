@@ -91,6 +91,30 @@ class TrainerMetrics:
         r.register(NvmlMemory("trainer"))
 
 
+class EngineQueue:
+    """`rlfleet_rollout_rows_waiting` and `rlfleet_rollout_rows_running`: the engine's queue depth
+    (rows admitted to no running batch yet, preempted ones included) and its running batch, read
+    from `load()` (an engine's EngineLoad, or None) when scraped. An HPA scales the rollout pods on
+    the first (autoscaling.rollouts in the chart)."""
+
+    def __init__(self, load):
+        self._load = load
+
+    def collect(self):
+        waiting = GaugeMetricFamily("rlfleet_rollout_rows_waiting",
+                                    "rows waiting for a place in the engine's running batch")
+        running = GaugeMetricFamily("rlfleet_rollout_rows_running", "rows in the engine's running batch")
+        try:
+            load = self._load()
+        except Exception:  # noqa: BLE001 (a scrape never fails for it: the engine may be closing)
+            load = None
+        if load is not None:
+            waiting.add_metric([], load.rows_waiting)
+            running.add_metric([], load.rows_running)
+        yield waiting
+        yield running
+
+
 class RolloutMetrics:
     def __init__(self):
         self.registry = CollectorRegistry()

@@ -89,6 +89,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
         self.metrics = metrics or telemetry.RolloutMetrics()
         self.shutdown = threading.Event()  # build_server hands it the server's own
         self._engine: GenerationEngine | None = None
+        self.metrics.registry.register(telemetry.EngineQueue(self._engine_load))
         self._update_lock = threading.Lock()
         self._groups: dict[str, WeightGroup] = {}
         self._staging: receiver.Staging | None = None
@@ -161,6 +162,11 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
             log.info("configured: %s (%s engine, %d parameters, %s)", c.model_path, settings.engine,
                      self._engine.num_parameters, settings.device)
             return rollout_pb2.ConfigureRolloutResponse(status=self._status(), capabilities=self._engine.capabilities())
+
+    def _engine_load(self):
+        """The engine's load now, for the metrics; None without an engine that reports one."""
+        engine = self._engine
+        return engine.load() if engine is not None and hasattr(engine, "load") else None
 
     def GetStatus(self, request, context):
         return self._status()

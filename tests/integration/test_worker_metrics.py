@@ -69,3 +69,30 @@ def test_metrics_are_off_unless_asked(role):
         assert server.metrics_port is None
     finally:
         server.stop(0)
+
+
+def test_an_engines_queue_depth_is_scraped_while_rows_wait(tiny_model_dir):
+    """rlfleet_rollout_rows_waiting (what the chart's HPA scales on) counts the rows that wait for a
+    place in a running batch of 2 while a call of 16 prompts runs, and is 0 once it has ended."""
+    import threading
+
+    server = build_rollout("127.0.0.1:0", metrics_port=0)
+    try:
+        engine = RolloutClient(f"127.0.0.1:{server.port}")
+        engine.configure(rollout_pb2.RolloutConfig(model_path=str(tiny_model_dir), load_weights=True, max_batch_size=2))
+        assert _scrape(server.metrics_port)["rlfleet_rollout_rows_waiting"] == 0
+        done = threading.Event()
+        call = threading.Thread(target=lambda: (engine.generate([f"{i}+1=" for i in range(16)], rollout_pb2.SamplingParams(
+            max_new_tokens=48, ignore_eos=True)), done.set()))
+        call.start()
+        seen = []
+        while not done.is_set():
+            r = _scrape(server.metrics_port)
+            seen.append((r["rlfleet_rollout_rows_waiting"], r["rlfleet_rollout_rows_running"]))
+        call.join()
+        assert max(w for w, _ in seen) > 0, seen  # rows queued behind the batch of 2
+        assert max(r for _, r in seen) == 2 and all(w + r <= 16 for w, r in seen), seen
+        after = _scrape(server.metrics_port)
+        assert after["rlfleet_rollout_rows_waiting"] == 0 and after["rlfleet_rollout_rows_running"] == 0
+    finally:
+        server.stop(0)

@@ -350,3 +350,43 @@ def test_every_values_block_of_the_deploy_guide_renders_and_validates(chart):
             assert job.eval_only == (example["mode"] == "eval")
             gpus = example.get("gpusPerPod", {})
             assert job.trainer.device == ("cuda" if gpus.get("trainer") else "cpu"), example["job"]["name"]
+
+
+# ---------------------------------------------------------------------------- rollout autoscaling
+
+
+AUTOSCALED = {"rollouts": {"enabled": True, "minReplicas": 2, "maxReplicas": 6, "rowsWaitingPerPod": 16}}
+
+
+def test_rollout_autoscaling_scales_the_rollout_statefulset_on_its_queue_depth(chart):
+    from services import telemetry
+
+    job = {**JOB, "rollout": {**JOB["rollout"], "elastic": True}}
+    objects = rendered(chart, job=job, autoscaling=AUTOSCALED)
+    (hpa,) = m.by_kind(objects, "HorizontalPodAutoscaler")
+    rollout = pods(objects)["rollout"][0]
+    assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "StatefulSet",
+                                            "name": rollout["metadata"]["name"]}
+    assert (hpa["spec"]["minReplicas"], hpa["spec"]["maxReplicas"]) == (2, 6)
+    (metric,) = hpa["spec"]["metrics"]
+    assert metric["pods"]["target"] == {"type": "AverageValue", "averageValue": "16"}
+    # the metric it scales on is one a rollout server exports
+    exported = {f.name for c in [telemetry.EngineQueue(lambda: None)] for f in c.collect()}
+    assert metric["pods"]["metric"]["name"] in exported
+    assert "replicas" not in rollout["spec"]  # the HPA's count, not reset by a helm upgrade
+    assert parse_job(job_text(objects), "/", check_files=False).rollout.num_engines == 2  # the job starts on minReplicas engines
+    # without autoscaling: no HPA, and the StatefulSet has its count
+    plain = rendered(chart)
+    assert not m.by_kind(plain, "HorizontalPodAutoscaler") and pods(plain)["rollout"][0]["spec"]["replicas"] == 1
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({}, "job.rollout.elastic: autoscaling.rollouts scales the rollout pods"),
+    ({"colocate": {"enabled": True, "gpuDeviceClass": "gpu.nvidia.com"}}, "autoscaling.rollouts: not with colocate.enabled"),
+    ({"metrics": {"enabled": False}}, "autoscaling.rollouts: needs metrics.enabled"),
+    ({"autoscaling": {"rollouts": {**AUTOSCALED["rollouts"], "minReplicas": 7}}},
+     "autoscaling.rollouts.minReplicas: 7 is more than maxReplicas"),
+])
+def test_rollout_autoscaling_refuses_what_it_cannot_follow(chart, overrides, message):
+    elastic = {} if not overrides else {"job": {**JOB, "rollout": {**JOB["rollout"], "elastic": True}}}
+    refused(chart, message, **{"autoscaling": AUTOSCALED, **elastic, **overrides})

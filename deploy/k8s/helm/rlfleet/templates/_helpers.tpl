@@ -169,6 +169,9 @@ sft, critic) is dropped, so nothing can build an optimizer or a zero-length LR s
 {{- end }}
 {{- end }}
 {{- $engines := include "rlfleet.engineReplicas" . }}
+{{- if and .Values.autoscaling.rollouts.enabled (not .Values.colocate.enabled) (not (get $rollout "elastic")) }}
+{{- fail "job.rollout.elastic: autoscaling.rollouts scales the rollout pods while jobs run; set elastic: true so the job follows them (or turn autoscaling off)" }}
+{{- end }}
 {{- if not (hasKey $rollout "num_engines") }}
 {{- $_ := set $rollout "num_engines" (int (splitList " " $engines | first)) }}
 {{- else if gt (int $rollout.num_engines) (int (splitList " " $engines | first)) }}
@@ -228,6 +231,8 @@ replicas.trainers with colocate (an engine beside each trainer), else replicas.r
 {{- define "rlfleet.engineReplicas" -}}
 {{- if .Values.colocate.enabled }}
 {{- printf "%d replicas.trainers" (int .Values.replicas.trainers) }}
+{{- else if .Values.autoscaling.rollouts.enabled }}
+{{- printf "%d autoscaling.rollouts.minReplicas" (int .Values.autoscaling.rollouts.minReplicas) }}
 {{- else }}
 {{- printf "%d replicas.rollouts" (int .Values.replicas.rollouts) }}
 {{- end }}

@@ -106,7 +106,9 @@ metadata:
     {{- include "rlfleet.labels" $ctx | nindent 4 }}
 spec:
   serviceName: {{ $name }}
+  {{- if not .autoscaled }}
   replicas: {{ int .replicas }}
+  {{- end }}
   podManagementPolicy: Parallel
   selector:
     matchLabels:
