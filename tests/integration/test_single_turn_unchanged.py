@@ -3,8 +3,9 @@
 `golden/single_turn.json` holds what `rlfleet run` printed for this job at commit d5b7994, the last
 one before agents: every step's rewards, lengths, loss and gradient norm, and the held-out evals.
 The same job now must sample the same tokens (rewards, lengths and eval scores equal) and train
-the same way (loss and gradient norm within 1e-6 relative: equal on this machine, with room for
-another CPU's float kernels)."""
+the same way: loss and gradient norm within 1e-4 relative, and approx_kl within 1e-6 absolute.
+They were equal on the machine that wrote the file. On another CPU's float kernels the loss came
+within 1.4e-5 relative, and approx_kl, float noise around 0 for on-policy samples, within 1.1e-7."""
 
 from __future__ import annotations
 
@@ -50,7 +51,8 @@ def test_a_single_turn_job_gives_the_results_it_gave_before_agents(tmp_path):
         m = now["metrics"]
         for key in ("reward_mean", "reward_std", "response_len_mean"):  # the sampled tokens
             assert m[key] == then[key], (now["step"], key, m[key], then[key])
-        for key in ("train/loss", "train/grad_norm", "train/approx_kl"):  # the update
-            assert m[key] == pytest.approx(then[key], rel=1e-6, abs=1e-12), (now["step"], key)
+        for key in ("train/loss", "train/grad_norm"):  # the update
+            assert m[key] == pytest.approx(then[key], rel=1e-4, abs=1e-12), (now["step"], key)
+        assert m["train/approx_kl"] == pytest.approx(then["train/approx_kl"], abs=1e-6), now["step"]
     assert [(e["step"], e["metrics"]["score"]) for e in evals] == [(g["step"], g["score"]) for g in golden["evals"]]
     assert "tool" not in "".join(line for line in proc.stdout.splitlines() if line.startswith("step "))
