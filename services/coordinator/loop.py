@@ -498,11 +498,11 @@ class RLLoop:
         thread.start()
         self._eval_beside = (thread, failure)
 
-    def _finish_eval(self) -> float:
+    def _finish_eval(self) -> float | None:
         """Wait for the eval running beside training, if one is; its error is raised here. The
-        seconds waited are returned (the trainer's wait for it)."""
+        seconds waited are returned (the trainer's wait for it), None when none was running."""
         if self._eval_beside is None:
-            return 0.0
+            return None
         (thread, failure), started = self._eval_beside, time.perf_counter()
         while thread.is_alive():
             self._check_cancelled()
@@ -677,7 +677,6 @@ class RLLoop:
         if job.trainer.offload:  # every sync of an offloaded trainer reads its host copy
             trainer.sleep()
         t2 = time.perf_counter()
-        eval_running = self._eval_beside is not None
         eval_wait = self._finish_eval()  # an eval beside this step keeps its weights until it ends
         sync = self.sync_weights(step)
         lengths = [len(c.output_ids) for c in completions]
@@ -694,7 +693,7 @@ class RLLoop:
             "sync_s": sync["seconds"],
             "sync_from_host": float(sync["source"] == "host"),
             **({"sleep_s": t2 - slept} if job.trainer.offload else {}),
-            **({"eval_wait_s": eval_wait} if eval_running else {}),
+            **({"eval_wait_s": eval_wait} if eval_wait is not None else {}),
             **({"kl_reward_mean": float(kl_reward.mean())} if kl_reward is not None else {}),
             "weights_version": float(self.weights_version),
             **critic_metrics,

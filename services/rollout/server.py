@@ -129,7 +129,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
             last_error=e.last_error,
             num_parameters=e.num_parameters,
             checkpoint_step=e.checkpoint_step,
-            load=rollout_pb2.EngineLoad(**dataclasses.asdict(e.load())) if hasattr(e, "load") else None,
+            load=rollout_pb2.EngineLoad(**dataclasses.asdict(load)) if (load := self._engine_load()) is not None else None,
         )
 
     def Configure(self, request, context):
