@@ -87,19 +87,20 @@ def _client(address: str, request_bytes: bytes, max_new_tokens: int, prompts: in
 
 def run(model_dir: Path, *, clients: int, seconds: float, max_new_tokens: int = 8, log_dir: Path | None = None,
         prompts: list[str] = PROMPTS, device: str = "cpu", max_batch_size: int = 0, load_weights: bool = True,
-        dtype: str = "", processes: int = 1, warmup: float = 0.0) -> dict:
+        dtype: str = "", processes: int = 1, warmup: float = 0.0, front_end: str = "inline") -> dict:
     """`clients` threads (spread over `processes` client processes: one Python process cannot
     make calls fast enough for a GPU) each calling Generate with `prompts` back to back for
     `warmup` seconds not counted (on a GPU the batch sizes and prefill shapes the load brings
-    are captured as graphs then), then `seconds` counted, against one engine on `device`; the
-    limit is one call of every client's prompts."""
+    are captured as graphs then), then `seconds` counted, against one engine on `device`
+    (`front_end` "process": the server's front end in a process of its own); the limit is one
+    call of every client's prompts."""
     import multiprocessing
     import queue as queues
 
     log_dir = log_dir or Path(tempfile.mkdtemp(prefix="rlfleet-load-"))
     fleet = LocalFleet(log_dir, env={"OMP_NUM_THREADS": "1"})
     try:
-        child = fleet.start("rollout", "rollout-0", [])
+        child = fleet.start("rollout", "rollout-0", ["--front-end", front_end])
         fleet.wait_ready()
         channel = rpc.open_channel(child.address)
         stub = rollout_pb2_grpc.RolloutStub(channel)
@@ -167,7 +168,7 @@ def run(model_dir: Path, *, clients: int, seconds: float, max_new_tokens: int = 
         "preempted": loads[-1].preempted - loads[0].preempted,
         # where the engine's time went in the counted window (seconds of it)
         **{k: round(getattr(loads[-1], k) - getattr(loads[0], k), 3) for k in ("prefill_s", "decode_s", "host_s")},
-        "bench": "load", "clients": clients, "client_processes": processes, "prompts_per_call": len(prompts),
+        "bench": "load", "clients": clients, "client_processes": processes, "front_end": front_end, "prompts_per_call": len(prompts),
         "device": device, "seconds": round(elapsed, 2), "calls": calls, "shed": shed,
         "errors": len(errors), "first_errors": errors[:3], "completions_per_s": round(throughput, 1),
         "tokens_per_s": round(throughput * max_new_tokens, 1), "limit_completions_per_s": round(limit, 1),

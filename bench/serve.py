@@ -11,6 +11,10 @@ towards 1/C of its batched throughput. A PNG draws ratio and latency against C.
     python bench/serve.py --device cuda --shape 0.5b --new-tokens 128 --processes 8   # a GPU: Qwen2.5-0.5B's shape
     python bench/serve.py --device cuda --shape 0.5b --new-tokens 128 --in-process --profile-serving prof/
 
+`--front-end process` serves the calls from a process of their own in front of the engine's
+(`rlfleet serve rollout --front-end process`); `--front-end inline,process` runs each C with
+both, one after the other, and draws one curve for each.
+
 `--in-process` runs the engine in the bench process and its C clients as threads calling
 `generate` directly: no gRPC, no server threads. Its ratio against the gRPC one's says how much of
 what is lost is the front end's (request and reply handling beside the serving thread) and how
@@ -189,15 +193,20 @@ def plot(lines: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    clients = [line["clients"] for line in lines]
     fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.6))
-    left.plot(clients, [line["ratio"] for line in lines], "o-", label="measured")
+    series: dict[str, list[dict]] = {}
+    for line in lines:  # one curve per front end
+        series.setdefault("in-process" if line.get("in_process") else line.get("front_end", "inline"), []).append(line)
+    for i, (front_end, group) in enumerate(series.items()):
+        clients = [line["clients"] for line in group]
+        left.plot(clients, [line["ratio"] for line in group], "o-", color=f"C{i}", label=f"front end {front_end}")
+        right.plot(clients, [line["p50_s"] for line in group], "o-", color=f"C{i}", label=f"p50, {front_end}")
+        right.plot(clients, [line["p99_s"] for line in group], "s--", color=f"C{i}", label=f"p99, {front_end}")
+    clients = sorted({line["clients"] for line in lines})
     left.plot(clients, [1 / c for c in clients], ":", color="grey", label="one call at a time (1/C)")
     left.axhline(0.8, color="green", linestyle="--", linewidth=0.8, label="goal 0.8")
     left.set(xscale="log", xlabel="concurrent clients C", ylabel="tokens/s over one batched call", ylim=(0, 1.1))
     left.legend(fontsize=7)
-    right.plot(clients, [line["p50_s"] for line in lines], "o-", label="p50")
-    right.plot(clients, [line["p99_s"] for line in lines], "s-", label="p99")
     right.set(xscale="log", yscale="log", xlabel="concurrent clients C", ylabel="latency of a call (s)")
     right.legend(fontsize=7)
     fig.suptitle(f"one engine serving C one-prompt clients ({lines[0]['device']}, {lines[0]['max_new_tokens']} new "
@@ -219,6 +228,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=float, default=2.0,
                         help="seconds of the same load before counting (graphs for its shapes captured)")
     parser.add_argument("--new-tokens", type=int, default=16)
+    parser.add_argument("--front-end", default="inline",
+                        help="the server's front end: inline (in the engine's process), process (a process of its "
+                             "own), or both, comma-separated (each C run with each, one after the other)")
     parser.add_argument("--in-process", action="store_true", help="no gRPC: the engine and its clients in this process")
     parser.add_argument("--profile-serving", type=Path, metavar="DIR", help="with --in-process: cProfile the serving thread")
     parser.add_argument("--trace", type=Path, metavar="DIR",
@@ -239,9 +251,15 @@ def main(argv: list[str] | None = None) -> int:
 
         model = shaped_model(args.shape, Path(tempfile.mkdtemp(prefix="rlfleet-serve-")) / args.shape)
         options = {"load_weights": False, "dtype": "bfloat16" if args.device.startswith("cuda") else "float32"}
+    front_ends = ["in-process"] if args.in_process else args.front_end.split(",")
+    if any(f not in ("inline", "process", "in-process") for f in front_ends):
+        print(f"serve: --front-end must be inline, process or both, got {args.front_end}", file=sys.stderr)
+        return 2
+    runs = [(clients, front_end) for clients in counts for front_end in front_ends]
     lines = []
-    for i, clients in enumerate(counts):
-        print(f"# [{i + 1}/{len(counts)}] {clients} clients for {args.seconds:.0f} s ...", file=sys.stderr, flush=True)
+    for i, (clients, front_end) in enumerate(runs):
+        print(f"# [{i + 1}/{len(runs)}] {clients} clients for {args.seconds:.0f} s, front end {front_end} ...",
+              file=sys.stderr, flush=True)
         if args.in_process:
             line = run_in_process(model, clients=clients, seconds=args.seconds, max_new_tokens=args.new_tokens,
                                   device=args.device, max_batch_size=max(counts), warmup=args.warmup,
@@ -249,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             line = run(model, clients=clients, seconds=args.seconds, max_new_tokens=args.new_tokens, prompts=PROMPT,
                        device=args.device, max_batch_size=max(counts), processes=args.processes, warmup=args.warmup,
-                       **options)
+                       front_end=front_end, **options)
         line = {**line, "bench": "serve", "max_new_tokens": args.new_tokens, "model": args.shape or model.name,
                 "warmup_s": args.warmup}
         emit(line, args.out)

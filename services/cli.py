@@ -47,6 +47,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.stop_workers_on_finish and not args.exit_on_finish:
         print("rlfleet: --stop-workers-on-finish goes with --job FILE --exit-on-finish", file=sys.stderr)
         return EXIT_CONFIG
+    if args.role != "rollout" and (args.front_end != "inline" or args.metrics_host):
+        print("rlfleet: --front-end and --metrics-host are for `serve rollout`", file=sys.stderr)
+        return EXIT_CONFIG
     token = _read_token(args.token_file)
     try:
         tls = _tls(args)
@@ -63,10 +66,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
         server = build_server(address, token, checkpoint_root=args.checkpoint_root, metrics_port=args.metrics_port,
                               rank_store_port=args.rank_store_port, weight_store_port=args.weight_store_port)
+    elif args.role == "rollout" and args.front_end == "process":
+        return _serve_split_rollout(args, address, token, log)
     elif args.role == "rollout":
         from services.rollout.server import build_server
 
-        server = build_server(address, token, metrics_port=args.metrics_port)
+        server = build_server(address, token, metrics_port=args.metrics_port, metrics_host=args.metrics_host)
     elif args.role == "environment":
         from services.environment.server import build_server
 
@@ -115,6 +120,21 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if discovery is not None:
         discovery.close()
     return code
+
+
+def _serve_split_rollout(args: argparse.Namespace, address: str, token: str | None, log) -> int:
+    """`serve rollout --front-end process`: this process serves the port; the engine is its child."""
+    from services.rollout import frontend
+
+    try:
+        split = frontend.start(address, token, metrics_port=args.metrics_port, log_level=args.log_level,
+                               grace_s=args.grace)
+    except RuntimeError as e:
+        log.error("%s", e)
+        return EXIT_FAILED
+    log.info("serving on %s:%d%s", args.host, split.port, " (bearer token required)" if token else "")
+    _write_ready(args.ready_file, split.port)
+    return split.wait(args.grace, args.exit_code_on_signal)
 
 
 def _stop_workers(args: argparse.Namespace, discovery, log) -> None:
@@ -277,6 +297,12 @@ def build_parser() -> argparse.ArgumentParser:
                        help="trainer: port of the weight-sync broadcast group's store (0: a free one)")
     serve.add_argument("--metrics-port", type=int, default=None,
                        help="trainer, rollout: serve Prometheus metrics at http://HOST:PORT/metrics (0: a free port)")
+    serve.add_argument("--metrics-host", default=None,
+                       help="rollout: the address /metrics binds (default: --host)")
+    serve.add_argument("--front-end", choices=["inline", "process"], default="inline",
+                       help="rollout: serve calls in the engine's process (inline), or in a process of their own "
+                            "that forwards them to the engine's over one stream (process: for hundreds of "
+                            "concurrent callers; docs/rollout-engine.md)")
     serve.add_argument("--trainers", help="coordinator: comma-separated trainer addresses")
     serve.add_argument("--rollouts", help="coordinator: comma-separated rollout engine addresses")
     serve.add_argument("--critics", help="coordinator: comma-separated critic addresses (trainer servers PPO jobs "

@@ -228,7 +228,8 @@ def create_server(
     return result
 
 
-class _TokenMetadata(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
+class _TokenMetadata(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
+                     grpc.StreamStreamClientInterceptor):
     def __init__(self, token: str):
         self._metadata = ("authorization", f"Bearer {token}")
 
@@ -241,6 +242,9 @@ class _TokenMetadata(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInt
 
     def intercept_unary_stream(self, continuation, details, request):
         return continuation(self._augment(details), request)
+
+    def intercept_stream_stream(self, continuation, details, request_iterator):
+        return continuation(self._augment(details), request_iterator)
 
 
 def open_channel(address: str, token: str | None = None, tls: TlsConfig | None = None,

@@ -156,12 +156,14 @@ class RolloutEngine:
     update_policies = UPDATE_POLICIES
 
     def submit(self, prompts_ids: list[list[int]], sampling: Sampling, *, cancelled: Callable[[], bool] | None = None,
-               on_result: Callable[[int, Generation], None] | None = None, priority: str = "train") -> Request:
+               on_result: Callable[[int, Generation], None] | None = None, priority: str = "train",
+               on_finish: Callable[[Request], None] | None = None) -> Request:
         """Queue a request into the running batch (ValueError naming the field if the model
         cannot take it; EngineUnavailable if the engine is out of the pool). `cancelled` is polled
-        every round; `on_result(index, generation)` sees each completion as it finishes."""
+        every round; `on_result(index, generation)` sees each completion as it finishes, and
+        `on_finish(request)` the request's end (its `error` None when every row came back)."""
         request = self.core.request(prompts_ids, sampling, cancelled=cancelled, on_result=on_result,
-                                    priority=priority)
+                                    priority=priority, on_finish=on_finish)
         if self.core.scheduler is None:  # the first request makes the pool and the scheduler
             with self._turn():
                 self._check_serving_locked()

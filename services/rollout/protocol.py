@@ -9,9 +9,10 @@ entry here, with no edit to the servicer.
 Two optional parts, which the servicer looks for by attribute:
 
 - a *serving* engine (`streams = True`) also has `submit(prompts, sampling, cancelled=,
-  on_result=, priority=)`: the request joins one running batch shared with every other caller
-  and `on_result(index, generation)` sees each completion as it finishes (`GenerateStream`);
-  `generate` then takes `priority` ("train" | "eval") too;
+  on_result=, priority=, on_finish=)`: the request joins one running batch shared with every
+  other caller, `on_result(index, generation)` sees each completion as it finishes
+  (`GenerateStream`) and `on_finish(request)` its end, with `request.error` saying what ended it
+  (None: every row came back); `generate` then takes `priority` ("train" | "eval") too;
 - `update_policies` lists what `apply` (and `update_from_*`) take as `policy`: "drain" (wait
   for the rows running), "pause" (swap between steps, the same rows continue under the new
   weights) or "abort" (rows running end with finish_reason "abort"). An engine without it

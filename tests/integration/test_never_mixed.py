@@ -41,12 +41,13 @@ def model_dir(tmp_path_factory):
 
 
 @contextlib.contextmanager
-def trainer_and_engine(logs, model_dir, device: str = "cpu", offload: bool = False):
-    """A configured trainer and engine, each its own process, both on `device`."""
+def trainer_and_engine(logs, model_dir, device: str = "cpu", offload: bool = False, rollout_args: tuple = ()):
+    """A configured trainer and engine, each its own process, both on `device` (the engine's
+    server started with `rollout_args`)."""
     local = LocalFleet(logs, env={"OMP_NUM_THREADS": "1"})
     try:
         local.start("trainer", "trainer-0", [])
-        local.start("rollout", "rollout-0", [])
+        local.start("rollout", "rollout-0", list(rollout_args))
         local.wait_ready()
         trainer, engine = TrainerClient(local.children[0].address), RolloutClient(local.children[1].address)
         trainer.configure(trainer_pb2.TrainerConfig(model_path=str(model_dir), bucket_bytes=8 << 20, device=device,

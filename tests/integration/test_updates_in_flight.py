@@ -75,10 +75,10 @@ def _check_against(reference: _Reference, completions) -> int:
     return spanning
 
 
-def _streams_across_updates(tmp_path, model_dir, plane: str, policy: str, updates: int):
+def _streams_across_updates(tmp_path, model_dir, plane: str, policy: str, updates: int, rollout_args: tuple = ()):
     """Streaming clients of one engine while the trainer steps and syncs `updates` times with
     `policy`; the reference answers of every version, and the streams."""
-    with trainer_and_engine(tmp_path / "logs", model_dir) as (trainer, engine):
+    with trainer_and_engine(tmp_path / "logs", model_dir, rollout_args=rollout_args) as (trainer, engine):
         reference = _Reference(model_dir, trainer, "cpu", max_new=MAX_NEW)
         reference.record()
         prompts_ids = [reference._engine.tokenizer.encode(p) for p in PROMPTS]
@@ -99,9 +99,13 @@ def _streams_across_updates(tmp_path, model_dir, plane: str, policy: str, update
     return reference, streams
 
 
-@pytest.mark.parametrize("plane", ["grpc_stream", "shm", "broadcast"])
-def test_streams_run_across_five_pause_updates(tmp_path, model_dir, plane):
-    reference, streams = _streams_across_updates(tmp_path, model_dir, plane, "pause", UPDATES)
+@pytest.mark.parametrize("plane, front_end", [("grpc_stream", "inline"), ("shm", "inline"), ("broadcast", "inline"),
+                                              ("shm", "process")])
+def test_streams_run_across_five_pause_updates(tmp_path, model_dir, plane, front_end):
+    """(`front_end` process: the engine's server behind a front end in its own process, the
+    streams forwarded over its link while the updates go to the engine's process.)"""
+    reference, streams = _streams_across_updates(tmp_path, model_dir, plane, "pause", UPDATES,
+                                                 ("--front-end", front_end))
     assert not streams.errors, streams.errors[:3]
     assert len(streams.completions) >= 8 * UPDATES
     spanning = _check_against(reference, streams.completions)

@@ -86,7 +86,8 @@ class GenerationCore:
         return self.on_gpu
 
     def request(self, prompts_ids: list[list[int]], sampling: Sampling, *, cancelled: Callable[[], bool] | None = None,
-                on_result: Callable[[int, Generation], None] | None = None, priority: str = "train") -> Request:
+                on_result: Callable[[int, Generation], None] | None = None, priority: str = "train",
+                on_finish: Callable[[Request], None] | None = None) -> Request:
         """A validated request (ValueError naming the field if the model cannot take it), to `submit`."""
         packed = validate_prompts(prompts_ids, sampling, self.config.vocab_size, self.config.max_position_embeddings)
         stop_ids = set(sampling.stop_token_ids)
@@ -94,7 +95,7 @@ class GenerationCore:
             stop_ids.add(self.tokenizer.eos_token_id)
         seed = sampling.seed if sampling.seed is not None else random.SystemRandom().getrandbits(63)
         return Request(packed.as_lists(prompts_ids), packed, sampling, frozenset(stop_ids), seed, priority=priority,
-                       cancelled=cancelled, on_result=on_result)
+                       cancelled=cancelled, on_result=on_result, on_finish=on_finish)
 
     def prepare(self, request: Request) -> None:
         """Make the pool, runner and scheduler for `request` if there are none."""

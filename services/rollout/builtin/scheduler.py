@@ -117,7 +117,8 @@ class Request:
     """One caller's prompts and settings, and what has come back of them so far.
 
     `results` are prompt-major (results[i * n + j] is sample j of prompt i); `on_result(index,
-    generation)` is called (on the scheduler's thread) as each one finishes. `wait` returns them
+    generation)` is called (on the scheduler's thread) as each one finishes, and `on_finish(request)`
+    once when it ends (after its last `on_result`; `error` says how it ended). `wait` returns them
     all, or raises what ended the request (GenerationCancelled, PromptTooLong, an engine error)."""
 
     prompts: list[list[int]]
@@ -128,6 +129,7 @@ class Request:
     priority: str = "train"
     cancelled: Callable[[], bool] | None = None
     on_result: Callable[[int, Generation], None] | None = None
+    on_finish: Callable[["Request"], None] | None = None
     results: list = field(init=False)
     left: int = field(init=False)
     started: bool = field(default=False, init=False)  # a prompt of it has been admitted
@@ -159,6 +161,8 @@ class Request:
         if not self.finished.is_set():
             self.error = error
             self.finished.set()
+            if self.on_finish is not None:
+                self.on_finish(self)
 
     def wait(self, timeout: float | None = None) -> list[Generation]:
         if not self.finished.wait(timeout):
