@@ -8,6 +8,11 @@ returns a prebuilt reply of the same size. Reported for each: calls/s, and the s
 CPU seconds per call (its gRPC threads' share of the GIL the serving thread needs on a GPU host:
 the engine serves ~1,300 one-prompt calls/s of 128 tokens at C = 256 on an H100).
 
+With `--front-end process` a third server is measured: the same servicer behind a front end in
+a process of its own (`services/rollout/frontend.py`), the calls forwarded over its link. The CPU
+counted is still this process's, the engine's: what the front end leaves to the process that
+runs the serving thread. The front end's own process is reported apart.
+
     python bench/frontend.py --out run.jsonl && python bench/common.py publish frontend run.jsonl
 """
 
@@ -15,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing
+import os
 import resource
 import sys
 import time
@@ -56,6 +62,18 @@ class InstantEngine:
                            logprobs=[-0.5] * n, finish_reason="length", versions=((0, n),))
                 for i, p in enumerate(prompts_ids)], 0
 
+    def submit(self, prompts_ids, sampling, cancelled=None, *, on_result=None, priority="train", on_finish=None):
+        """Each completion to `on_result` at once, then the end to `on_finish`."""
+        request = _Answered()
+        for i, g in enumerate(self.generate(prompts_ids, sampling)[0]):
+            on_result(i, g)
+        on_finish(request)
+        return request
+
+
+class _Answered:
+    error = None
+
 
 class _Bare(rollout_pb2_grpc.RolloutServicer):
     def __init__(self, reply: rollout_pb2.GenerateResponse):
@@ -65,11 +83,18 @@ class _Bare(rollout_pb2_grpc.RolloutServicer):
         return self.reply
 
 
-def _servicer_server() -> tuple[rpc.Server, int]:
+def _servicer_server() -> tuple[rpc.Server, int, str]:
+    """The servicer's gRPC server, its port, and the path of its link socket (for a front end)."""
+    import tempfile
+
+    from services.rollout.link import Listener
+
     servicer = rollout_server.RolloutServicer()
     servicer._engine = InstantEngine()
     server = rollout_server.build_server(servicer=servicer)
-    return server, server.port
+    path = os.path.join(tempfile.mkdtemp(prefix="rlfleet-frontend-bench-"), "link.sock")
+    server.on_stop.append(Listener(path, servicer, None).close)
+    return server, server.port, path
 
 
 def _bare_server(new_tokens: int) -> tuple[grpc.Server, int]:
@@ -84,8 +109,29 @@ def _bare_server(new_tokens: int) -> tuple[grpc.Server, int]:
     return server, port
 
 
-def measure(port: int, clients: int, new_tokens: int, seconds: float) -> tuple[float, float]:
-    """(calls/s, server CPU seconds per call) over `seconds` of C clients in two processes."""
+def _front_end(engine_port: int, link_path: str, ports, stop) -> None:
+    """A front end process in front of this bench's servicer (child process: spawn)."""
+    from services.rollout import frontend, link
+
+    channel = rpc.open_channel(f"127.0.0.1:{engine_port}")
+    front = frontend.FrontEnd(link.EngineLink(link_path, None), channel)
+    server = rpc.create_server(lambda s: s.add_generic_rpc_handlers((front,)), (rollout_server.SERVICE_NAME,),
+                               max_workers=rollout_server.SERVER_THREADS)
+    server.set_serving(True)
+    ports.put((server.port, os.getpid()))
+    stop.wait()
+    server.grpc_server.stop(0)
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User and system CPU seconds of process `pid` so far (Linux)."""
+    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def measure(port: int, clients: int, new_tokens: int, seconds: float, also: int | None = None) -> tuple[float, ...]:
+    """(calls/s, server CPU seconds per call[, process `also`'s CPU seconds per call]) over `seconds`
+    of C clients in two processes."""
     request = rollout_pb2.GenerateRequest(prompts=["13+29="], sampling=rollout_pb2.SamplingParams(
         max_new_tokens=new_tokens, ignore_eos=True), return_logprobs=True)
     context = multiprocessing.get_context("spawn")
@@ -100,9 +146,11 @@ def measure(port: int, clients: int, new_tokens: int, seconds: float) -> tuple[f
         w.start()
     time.sleep(max(0.0, measure_at - time.time()))
     before, opened = resource.getrusage(resource.RUSAGE_SELF), time.time()
+    also_before = _cpu_seconds(also) if also else 0.0
     parts = [results.get(timeout=seconds + 120) for _ in workers]
     after = max(part[3] for part in parts)
     used = resource.getrusage(resource.RUSAGE_SELF)
+    also_used = _cpu_seconds(also) - also_before if also else 0.0
     for w in workers:
         w.join()
     errors = [e for part in parts for e in part[1]]
@@ -110,6 +158,8 @@ def measure(port: int, clients: int, new_tokens: int, seconds: float) -> tuple[f
         raise RuntimeError(f"{len(errors)} calls failed, first: {errors[0]}")
     calls = sum(len(part[0]) for part in parts)
     cpu = used.ru_utime + used.ru_stime - before.ru_utime - before.ru_stime
+    if also:
+        return calls / (after - opened), cpu / max(calls, 1), also_used / max(calls, 1)
     return calls / (after - opened), cpu / max(calls, 1)
 
 
@@ -119,11 +169,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--clients", default="64,256")
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--seconds", type=float, default=8.0)
+    parser.add_argument("--front-end", choices=("inline", "process"), default="inline",
+                        help="process: also the servicer behind a front end in a process of its own")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
     counts = [int(c) for c in args.clients.split(",")]
-    servicer, servicer_port = _servicer_server()
+    servicer, servicer_port, link_path = _servicer_server()
     bare, bare_port = _bare_server(args.new_tokens)
+    split = None
+    if args.front_end == "process":
+        context = multiprocessing.get_context("spawn")
+        ports, stop = context.Queue(), context.Event()
+        child = context.Process(target=_front_end, args=(servicer_port, link_path, ports, stop), daemon=True)
+        child.start()
+        split = ports.get(timeout=60)
     try:
         for i, clients in enumerate(counts):
             print(f"# [{i + 1}/{len(counts)}] {clients} clients, bare gRPC then the rollout servicer ...",
@@ -135,12 +194,24 @@ def main(argv: list[str] | None = None) -> int:
                     "limit_calls_per_s": round(limit, 1), "limit_server_cpu_us_per_call": round(limit_cpu * 1e6, 1),
                     "ratio": round(rate / limit, 3), "date": time.strftime("%Y-%m-%d"), "commit": commit(),
                     "machine": machine()}
+            if split is not None:
+                rate, cpu, front_cpu = measure(split[0], clients, args.new_tokens, args.seconds, also=split[1])
+                line |= {"split_calls_per_s": round(rate, 1), "split_ratio": round(rate / limit, 3),
+                         "split_engine_cpu_us_per_call": round(cpu * 1e6, 1),
+                         "split_front_end_cpu_us_per_call": round(front_cpu * 1e6, 1)}
             emit(line, args.out)
             print(f"#   {line['calls_per_s']} calls/s ({line['ratio']} of bare gRPC's {line['limit_calls_per_s']}); "
                   f"server CPU {line['server_cpu_us_per_call']} us a call (bare: {line['limit_server_cpu_us_per_call']})",
                   file=sys.stderr, flush=True)
+            if split is not None:
+                print(f"#   front end in its own process: {line['split_calls_per_s']} calls/s; the engine's process "
+                      f"{line['split_engine_cpu_us_per_call']} us a call, the front end's "
+                      f"{line['split_front_end_cpu_us_per_call']} us", file=sys.stderr, flush=True)
     finally:
-        servicer.grpc_server.stop(0)
+        if split is not None:
+            stop.set()
+            child.join(timeout=10)
+        servicer.stop(0)
         bare.stop(0)
     return 0
 

@@ -47,8 +47,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.stop_workers_on_finish and not args.exit_on_finish:
         print("rlfleet: --stop-workers-on-finish goes with --job FILE --exit-on-finish", file=sys.stderr)
         return EXIT_CONFIG
-    if args.role != "rollout" and (args.front_end != "inline" or args.metrics_host):
-        print("rlfleet: --front-end and --metrics-host are for `serve rollout`", file=sys.stderr)
+    if args.role != "rollout" and (args.front_end != "inline" or args.metrics_host or args.link_socket):
+        print("rlfleet: --front-end, --metrics-host and --link-socket are for `serve rollout`", file=sys.stderr)
         return EXIT_CONFIG
     token = _read_token(args.token_file)
     try:
@@ -69,9 +69,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
     elif args.role == "rollout" and args.front_end == "process":
         return _serve_split_rollout(args, address, token, log)
     elif args.role == "rollout":
-        from services.rollout.server import build_server
+        from services.rollout.server import RolloutServicer, build_server
 
-        server = build_server(address, token, metrics_port=args.metrics_port, metrics_host=args.metrics_host)
+        servicer = RolloutServicer()
+        server = build_server(address, token, metrics_port=args.metrics_port, metrics_host=args.metrics_host,
+                              servicer=servicer)
+        if args.link_socket:  # the engine's process behind a front end (`--front-end process`)
+            from services.rollout.link import Listener
+
+            server.on_stop.append(Listener(args.link_socket, servicer, token).close)
     elif args.role == "environment":
         from services.environment.server import build_server
 
@@ -303,6 +309,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="rollout: serve calls in the engine's process (inline), or in a process of their own "
                             "that forwards them to the engine's over one stream (process: for hundreds of "
                             "concurrent callers; docs/rollout-engine.md)")
+    serve.add_argument("--link-socket", default=None,
+                       help="rollout: also take calls from a front end process on this Unix socket (the front end "
+                            "of --front-end process starts its engine's process with it)")
     serve.add_argument("--trainers", help="coordinator: comma-separated trainer addresses")
     serve.add_argument("--rollouts", help="coordinator: comma-separated rollout engine addresses")
     serve.add_argument("--critics", help="coordinator: comma-separated critic addresses (trainer servers PPO jobs "

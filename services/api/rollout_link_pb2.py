@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1drlfleet/v1/rollout_link.proto\x12\nrlfleet.v1\"J\n\x08LinkCall\x12\n\n\x02id\x18\x01 \x01(\x04\x12\x0e\n\x06stream\x18\x02 \x01(\x08\x12\x0f\n\x07request\x18\x03 \x01(\x0c\x12\x11\n\ttimeout_s\x18\x04 \x01(\x01\"C\n\tLinkCalls\x12#\n\x05\x63\x61lls\x18\x01 \x03(\x0b\x32\x14.rlfleet.v1.LinkCall\x12\x11\n\tcancelled\x18\x02 \x03(\x04\"V\n\tLinkReply\x12\n\n\x02id\x18\x01 \x01(\x04\x12\x10\n\x08response\x18\x02 \x01(\x0c\x12\x0c\n\x04last\x18\x03 \x01(\x08\x12\x0c\n\x04\x63ode\x18\x04 \x01(\x05\x12\x0f\n\x07message\x18\x05 \x01(\t\"5\n\x0bLinkReplies\x12&\n\x07replies\x18\x01 \x03(\x0b\x32\x15.rlfleet.v1.LinkReply2J\n\x0bRolloutLink\x12;\n\x05Serve\x12\x15.rlfleet.v1.LinkCalls\x1a\x17.rlfleet.v1.LinkReplies(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1drlfleet/v1/rollout_link.proto\x12\nrlfleet.v1\"J\n\x08LinkCall\x12\n\n\x02id\x18\x01 \x01(\x04\x12\x0e\n\x06stream\x18\x02 \x01(\x08\x12\x0f\n\x07request\x18\x03 \x01(\x0c\x12\x11\n\ttimeout_s\x18\x04 \x01(\x01\"C\n\tLinkCalls\x12#\n\x05\x63\x61lls\x18\x01 \x03(\x0b\x32\x14.rlfleet.v1.LinkCall\x12\x11\n\tcancelled\x18\x02 \x03(\x04\"V\n\tLinkReply\x12\n\n\x02id\x18\x01 \x01(\x04\x12\x10\n\x08response\x18\x02 \x01(\x0c\x12\x0c\n\x04last\x18\x03 \x01(\x08\x12\x0c\n\x04\x63ode\x18\x04 \x01(\x05\x12\x0f\n\x07message\x18\x05 \x01(\t\"5\n\x0bLinkReplies\x12&\n\x07replies\x18\x01 \x03(\x0b\x32\x15.rlfleet.v1.LinkReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -39,6 +39,4 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_LINKREPLY']._serialized_end=276
   _globals['_LINKREPLIES']._serialized_start=278
   _globals['_LINKREPLIES']._serialized_end=331
-  _globals['_ROLLOUTLINK']._serialized_start=333
-  _globals['_ROLLOUTLINK']._serialized_end=407
 # @@protoc_insertion_point(module_scope)

@@ -3,7 +3,6 @@
 import grpc
 import warnings
 
-from services.api import rollout_link_pb2 as rlfleet_dot_v1_dot_rollout__link__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -23,75 +22,3 @@ if _version_not_supported:
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
     )
-
-
-class RolloutLinkStub:
-    """Missing associated documentation comment in .proto file."""
-
-    def __init__(self, channel):
-        """Constructor.
-
-        Args:
-            channel: A grpc.Channel.
-        """
-        self.Serve = channel.stream_stream(
-                '/rlfleet.v1.RolloutLink/Serve',
-                request_serializer=rlfleet_dot_v1_dot_rollout__link__pb2.LinkCalls.SerializeToString,
-                response_deserializer=rlfleet_dot_v1_dot_rollout__link__pb2.LinkReplies.FromString,
-                _registered_method=True)
-
-
-class RolloutLinkServicer:
-    """Missing associated documentation comment in .proto file."""
-
-    def Serve(self, request_iterator, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-
-def add_RolloutLinkServicer_to_server(servicer, server):
-    rpc_method_handlers = {
-            'Serve': grpc.stream_stream_rpc_method_handler(
-                    servicer.Serve,
-                    request_deserializer=rlfleet_dot_v1_dot_rollout__link__pb2.LinkCalls.FromString,
-                    response_serializer=rlfleet_dot_v1_dot_rollout__link__pb2.LinkReplies.SerializeToString,
-            ),
-    }
-    generic_handler = grpc.method_handlers_generic_handler(
-            'rlfleet.v1.RolloutLink', rpc_method_handlers)
-    server.add_generic_rpc_handlers((generic_handler,))
-    server.add_registered_method_handlers('rlfleet.v1.RolloutLink', rpc_method_handlers)
-
-
- # This class is part of an EXPERIMENTAL API.
-class RolloutLink:
-    """Missing associated documentation comment in .proto file."""
-
-    @staticmethod
-    def Serve(request_iterator,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.stream_stream(
-            request_iterator,
-            target,
-            '/rlfleet.v1.RolloutLink/Serve',
-            rlfleet_dot_v1_dot_rollout__link__pb2.LinkCalls.SerializeToString,
-            rlfleet_dot_v1_dot_rollout__link__pb2.LinkReplies.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)

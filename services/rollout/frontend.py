@@ -5,11 +5,12 @@ With the gRPC server in the same process, every caller's call is a server thread
 hundreds of callers their request and reply handling takes the GIL from the serving thread
 (docs/performance.md: on an H100 at 256 callers, between a third and two thirds of the
 throughput). Here the public port is served by this process instead. It starts the engine's
-server as its child, on loopback behind a random token, and:
+server as its child, on loopback behind a random token, with the link's socket in a directory of
+its own (mode 0700), and:
 
-- forwards every Generate and GenerateStream call over one stream of `rlfleet.v1.RolloutLink`
-  (`server.LinkServicer` answers it), the callers' calls and their replies batched into as few
-  messages as are ready, and a caller that goes away cancelled on the engine;
+- forwards every Generate and GenerateStream call over one Unix socket (`link.py`), the
+  callers' calls and their replies batched into as few frames as are ready, and a caller that
+  goes away cancelled on the engine;
 - forwards every other Rollout call (Configure, UpdateWeights, GetStatus, ...) as it is, bytes
   in and bytes out, with the caller's deadline.
 
@@ -23,11 +24,10 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import itertools
 import json
 import os
-import queue
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
@@ -39,95 +39,15 @@ from pathlib import Path
 import grpc
 
 from services import rpc
-from services.api import rollout_link_pb2
+from services.rollout.link import EngineLink, LinkBroken
 from services.rollout.server import MAX_GENERATE_CALLS, SERVER_THREADS, SERVICE_NAME
 from services.tls import ENV as TLS_ENV
 
 log = rpc.get_logger("rollout-frontend")
-LINK_METHOD = "/rlfleet.v1.RolloutLink/Serve"
 _PREFIX = f"/{SERVICE_NAME}/"
 _STATUS = {code.value[0]: code for code in grpc.StatusCode}
 ENGINE_START_TIMEOUT_S = 120.0
 EXIT_ENGINE_DIED = 3  # as `rlfleet run`'s "a service process died"
-
-
-class LinkBroken(RuntimeError):
-    """The stream to the engine's process ended: the engine is gone."""
-
-
-class EngineLink:
-    """This process's end of the link: one stream to the engine's process, every call on it.
-
-    `call` returns a queue that gets the call's replies (`LinkReply`), the last with `last` set;
-    if the link breaks, every call waiting gets a last reply with code UNAVAILABLE."""
-
-    def __init__(self, channel: grpc.Channel, on_broken=lambda reason: None):
-        self._outbox: queue.SimpleQueue = queue.SimpleQueue()  # LinkCall | int (a cancelled id) | None
-        self._pending: dict[int, queue.SimpleQueue] = {}
-        self._ids = itertools.count(1)
-        self._lock = threading.Lock()
-        self.broken: str | None = None
-        self._on_broken = on_broken
-        serve = channel.stream_stream(LINK_METHOD, request_serializer=rollout_link_pb2.LinkCalls.SerializeToString,
-                                      response_deserializer=rollout_link_pb2.LinkReplies.FromString)
-        self._replies = serve(self._messages())
-        self._receiver = threading.Thread(target=self._receive, name="link-receiver", daemon=True)
-        self._receiver.start()
-
-    def call(self, request: bytes, *, stream: bool, timeout_s: float | None) -> tuple[int, queue.SimpleQueue]:
-        replies: queue.SimpleQueue = queue.SimpleQueue()
-        with self._lock:
-            if self.broken is not None:
-                raise LinkBroken(self.broken)
-            call_id = next(self._ids)
-            self._pending[call_id] = replies
-        self._outbox.put(rollout_link_pb2.LinkCall(id=call_id, stream=stream, request=request,
-                                                   timeout_s=max(timeout_s or 0.0, 0.0)))
-        return call_id, replies
-
-    def cancel(self, call_id: int) -> None:
-        """The caller went away: its rows stop on the engine (nothing is sent for a finished call)."""
-        with self._lock:
-            if self._pending.pop(call_id, None) is None:
-                return
-        self._outbox.put(call_id)
-
-    def close(self) -> None:
-        self._outbox.put(None)
-        self._replies.cancel()
-
-    def _messages(self):
-        while True:
-            items = [self._outbox.get()]
-            while True:
-                try:
-                    items.append(self._outbox.get_nowait())
-                except queue.Empty:
-                    break
-            calls = [i for i in items if isinstance(i, rollout_link_pb2.LinkCall)]
-            cancelled = [i for i in items if isinstance(i, int)]
-            if calls or cancelled:
-                yield rollout_link_pb2.LinkCalls(calls=calls, cancelled=cancelled)
-            if None in items:
-                return
-
-    def _receive(self) -> None:
-        reason = "the engine's process closed the link"
-        try:
-            for message in self._replies:
-                for reply in message.replies:
-                    with self._lock:
-                        replies = self._pending.pop(reply.id, None) if reply.last else self._pending.get(reply.id)
-                    if replies is not None:
-                        replies.put(reply)
-        except grpc.RpcError as e:
-            reason = f"the link to the engine's process broke ({e.code().name}: {e.details()})"
-        with self._lock:
-            self.broken = reason
-            waiting, self._pending = list(self._pending.values()), {}
-        for replies in waiting:
-            replies.put(rollout_link_pb2.LinkReply(last=True, code=grpc.StatusCode.UNAVAILABLE.value[0], message=reason))
-        self._on_broken(reason)
 
 
 class FrontEnd(grpc.GenericRpcHandler):
@@ -205,8 +125,9 @@ class SplitServer:
     """The public server and the engine's process behind it."""
 
     def __init__(self, server: rpc.Server, engine: subprocess.Popen, link: EngineLink, channel: grpc.Channel,
-                 metrics_port: int | None, ended: threading.Event):
+                 metrics_port: int | None, ended: threading.Event, private: Path):
         self.server, self.engine, self.link, self._channel = server, engine, link, channel
+        self._private = private
         self.port = server.port
         self.metrics_port = metrics_port
         self._ended = ended
@@ -232,6 +153,7 @@ class SplitServer:
                 self.engine.kill()
                 stopped = self.engine.wait()
             code = stopped if by_signal else f"{stopped} after the link to it broke"
+        shutil.rmtree(self._private, ignore_errors=True)
         if by_signal:
             log.info("stopped (signal); the engine's process exited with %s", code)
             return exit_code_on_signal
@@ -247,9 +169,11 @@ def start(address: str, token: str | None, *, metrics_port: int | None = None, l
     """Start the engine's process, wait for it, and serve `address` in front of it."""
     host = address.rsplit(":", 1)[0]
     engine_token = secrets.token_urlsafe(32)
-    ready = Path(tempfile.mkdtemp(prefix="rlfleet-frontend-")) / "engine.ready"
+    private = Path(tempfile.mkdtemp(prefix="rlfleet-frontend-"))  # 0700: the link's socket and the ready file
+    ready, socket_path = private / "engine.ready", private / "link.sock"
     cmd = [sys.executable, "-m", "services.cli", "serve", "rollout", "--host", "127.0.0.1", "--port", "0",
-           "--ready-file", str(ready), "--log-level", log_level, "--grace", str(grace_s), "--exit-code-on-signal", "0"]
+           "--ready-file", str(ready), "--log-level", log_level, "--grace", str(grace_s), "--exit-code-on-signal", "0",
+           "--link-socket", str(socket_path)]
     if metrics_port is not None:
         cmd += ["--metrics-port", str(metrics_port), "--metrics-host", host]
     env = {k: v for k, v in os.environ.items() if k not in TLS_ENV.values()}  # loopback, by token
@@ -265,7 +189,6 @@ def start(address: str, token: str | None, *, metrics_port: int | None = None, l
         time.sleep(0.05)
     info = json.loads(ready.read_text())
     ready.unlink()
-    ready.parent.rmdir()
     engine_address = f"127.0.0.1:{info['port']}"
     channel = rpc.open_channel(engine_address, engine_token)
     rpc.wait_ready(engine_address, 30.0, engine_token)
@@ -276,7 +199,7 @@ def start(address: str, token: str | None, *, metrics_port: int | None = None, l
             log.error("%s", reason)
         ended.set()
 
-    link = EngineLink(channel, on_broken=broken)
+    link = EngineLink(str(socket_path), engine_token, on_broken=broken)
     front = FrontEnd(link, channel)
     server = rpc.create_server(lambda s: s.add_generic_rpc_handlers((front,)), (SERVICE_NAME,), address=address,
                                token=token, max_workers=SERVER_THREADS)
@@ -289,4 +212,4 @@ def start(address: str, token: str | None, *, metrics_port: int | None = None, l
     server.set_serving(True)
     log.info("front end on %s, the engine's process (pid %d) on %s", address.rsplit(":", 1)[0], engine.pid,
              engine_address)
-    return SplitServer(server, engine, link, channel, info.get("http_port"), ended)
+    return SplitServer(server, engine, link, channel, info.get("http_port"), ended, private)

@@ -17,7 +17,7 @@ from typing import Callable
 import grpc
 
 from services import devices, profiling, rpc, telemetry
-from services.api import rollout_link_pb2, rollout_link_pb2_grpc, rollout_pb2, rollout_pb2_grpc, trainer_pb2, weights_pb2
+from services.api import rollout_pb2, rollout_pb2_grpc, trainer_pb2, weights_pb2
 from services.rollout import receiver
 from services.rollout.builtin.scheduler import GenerationCancelled
 from services.rollout.engine import EngineStateError, EngineUnavailable, RolloutSettings, SglangSettings
@@ -30,7 +30,6 @@ from services.weights.fingerprint import default_algo
 from services.weights.grpc_stream import StreamReceiver
 
 SERVICE_NAME = "rlfleet.v1.Rollout"
-LINK_SERVICE_NAME = "rlfleet.v1.RolloutLink"  # a front end in its own process forwards calls over it
 DEFAULT_UPDATE_TIMEOUT_S = 120.0
 _ERRORS = {
     ValueError: grpc.StatusCode.INVALID_ARGUMENT,
@@ -440,159 +439,6 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
             return rollout_pb2.GetWeightFingerprintsResponse(version=engine.weight_version, fingerprints=prints)
 
 
-class _Forwarded:
-    """A caller's call as the engine's side of the link holds it, until its last reply."""
-
-    __slots__ = ("id", "stream", "logprobs", "deadline", "gone", "results", "started", "tokens")
-
-    def __init__(self, call: rollout_link_pb2.LinkCall, logprobs: bool):
-        self.id, self.stream, self.logprobs = call.id, call.stream, logprobs
-        self.deadline = time.monotonic() + call.timeout_s if call.timeout_s > 0 else None
-        self.gone = False  # the front end said its caller went away
-        self.results: dict[int, object] = {}  # a Generate call's completions, until the last
-        self.started = time.perf_counter()
-        self.tokens = 0
-
-    def cancelled(self) -> bool:
-        """What the engine polls every round, as it polls a direct caller's `_ended`."""
-        return self.gone or (self.deadline is not None and time.monotonic() > self.deadline)
-
-
-class LinkServicer(rollout_link_pb2_grpc.RolloutLinkServicer):
-    """The engine's side of the link from a front end in its own process (`frontend.py`).
-
-    Every forwarded call is submitted to the engine with callbacks, not given a thread: the
-    stream's reader submits, the engine's serving thread only queues what finished, and this
-    handler's thread builds and sends the replies, as many as are ready in one message. So the
-    engine's process runs two threads for all its callers, where a gRPC front end in it runs one
-    per caller, each taking the GIL from the serving thread."""
-
-    def __init__(self, rollout: RolloutServicer):
-        self.rollout = rollout
-
-    def Serve(self, request_iterator, context):
-        done: queue.SimpleQueue = queue.SimpleQueue()  # (call, index, generation) | (call, error) | None
-        calls: dict[int, _Forwarded] = {}
-        threading.Thread(target=self._read, args=(request_iterator, calls, done), name="link-reader",
-                         daemon=True).start()
-        while True:
-            items = [done.get()]
-            while True:
-                try:
-                    items.append(done.get_nowait())
-                except queue.Empty:
-                    break
-            replies = [r for item in items if item is not None for r in self._replies(item, calls)]
-            if replies:
-                yield rollout_link_pb2.LinkReplies(replies=replies)
-            if None in items:
-                return
-
-    def _read(self, request_iterator, calls: dict[int, _Forwarded], done: queue.SimpleQueue) -> None:
-        try:
-            for message in request_iterator:
-                for call in message.calls:
-                    self._start(call, calls, done)
-                for gone in message.cancelled:
-                    if (forwarded := calls.get(gone)) is not None:
-                        forwarded.gone = True
-        except grpc.RpcError:
-            pass  # the front end went away: what it forwarded stops below
-        except Exception:  # never leave the front end's callers waiting on a reader that died
-            log.exception("link: reading the front end's calls failed")
-        finally:
-            for forwarded in list(calls.values()):
-                forwarded.gone = True
-            done.put(None)
-
-    def _start(self, call: rollout_link_pb2.LinkCall, calls: dict[int, _Forwarded], done: queue.SimpleQueue) -> None:
-        metrics = self.rollout.metrics
-        if len(calls) >= MAX_GENERATE_CALLS:
-            done.put((_Forwarded(call, False), _Refused(grpc.StatusCode.RESOURCE_EXHAUSTED, (
-                f"{'GenerateStream' if call.stream else 'Generate'}: {MAX_GENERATE_CALLS} such call(s) already in "
-                "progress here; retry later"))))
-            return
-        try:
-            request = rollout_pb2.GenerateRequest.FromString(call.request)
-        except Exception as e:  # (protobuf's DecodeError)
-            done.put((_Forwarded(call, False), _Refused(grpc.StatusCode.INVALID_ARGUMENT, f"request: not a GenerateRequest: {e}")))
-            return
-        forwarded = _Forwarded(call, request.return_logprobs)
-        calls[call.id] = forwarded
-        metrics.in_flight.inc()
-        try:
-            engine, prompts_ids, sampling = self.rollout._prepare(request)
-            options = self.rollout._serving_options(engine, request)
-            if getattr(engine, "streams", False):
-                engine.submit(prompts_ids, sampling, cancelled=forwarded.cancelled,
-                              on_result=lambda index, g: done.put((forwarded, index, g)),
-                              on_finish=lambda r: done.put((forwarded, r.error)), **options)
-            else:  # an engine that answers a call at its end: a thread waits for it
-                threading.Thread(target=self._wait, args=(engine, prompts_ids, sampling, forwarded, done),
-                                 name="link-call", daemon=True).start()
-        except Exception as e:
-            done.put((forwarded, e))
-
-    @staticmethod
-    def _wait(engine, prompts_ids, sampling, forwarded: _Forwarded, done: queue.SimpleQueue) -> None:
-        try:
-            results, _ = engine.generate(prompts_ids, sampling, cancelled=forwarded.cancelled)
-        except Exception as e:
-            done.put((forwarded, e))
-            return
-        for index, g in enumerate(results):
-            done.put((forwarded, index, g))
-        done.put((forwarded, None))
-
-    def _replies(self, item: tuple, calls: dict[int, _Forwarded]) -> list[rollout_link_pb2.LinkReply]:
-        forwarded = item[0]
-        engine = self.rollout._engine
-        if len(item) == 3:  # a completion
-            _, index, g = item
-            forwarded.tokens += len(g.output_ids)
-            if not forwarded.stream:
-                forwarded.results[index] = g
-                return []
-            version = g.versions[0][0] if g.versions else engine.weight_version
-            response = rollout_pb2.GenerateStreamResponse(index=index, completion=_completion(g, version, forwarded.logprobs))
-            return [rollout_link_pb2.LinkReply(id=forwarded.id, response=response.SerializeToString())]
-        error = item[1]
-        metrics = self.rollout.metrics
-        if calls.pop(forwarded.id, None) is not None:
-            metrics.in_flight.dec()
-        metrics.tokens.inc(forwarded.tokens)
-        if error is not None:
-            code, message = _status_of(error)
-            metrics.requests.labels("error").inc()
-            return [rollout_link_pb2.LinkReply(id=forwarded.id, last=True, code=code.value[0], message=message)]
-        metrics.requests.labels("ok").inc()
-        metrics.generate_seconds.observe(time.perf_counter() - forwarded.started)
-        if forwarded.stream:
-            return [rollout_link_pb2.LinkReply(id=forwarded.id, last=True)]
-        results = [forwarded.results[i] for i in range(len(forwarded.results))]
-        version = min((g.versions[0][0] for g in results if g.versions), default=engine.weight_version)
-        response = rollout_pb2.GenerateResponse(
-            weight_version=version, results=[_completion(g, version, forwarded.logprobs) for g in results])
-        return [rollout_link_pb2.LinkReply(id=forwarded.id, last=True, response=response.SerializeToString())]
-
-
-@dataclasses.dataclass
-class _Refused(Exception):
-    code: grpc.StatusCode
-    message: str
-
-
-def _status_of(error: BaseException) -> tuple[grpc.StatusCode, str]:
-    """The status a direct caller would have got for `error` (`_ERRORS`, as `rpc.abort_on` maps them)."""
-    if isinstance(error, _Refused):
-        return error.code, error.message
-    for exc_type, code in _ERRORS.items():
-        if isinstance(error, exc_type):
-            return code, str(error)
-    log.error("link: a forwarded call failed: %r", error)
-    return grpc.StatusCode.UNKNOWN, f"{type(error).__name__}: {error}"
-
-
 def _completion(g, version: int, logprobs: bool) -> rollout_pb2.Completion:
     return rollout_pb2.Completion(
         prompt_index=g.prompt_index,
@@ -626,14 +472,9 @@ def build_server(address: str = "127.0.0.1:0", token: str | None = None, metrics
     """A rollout server (of `servicer`, a new one by default); Prometheus metrics at
     http://<metrics_host, default address's host>:<metrics_port>/metrics when given."""
     servicer = servicer or RolloutServicer()
-
-    def register(s: grpc.Server) -> None:
-        rollout_pb2_grpc.add_RolloutServicer_to_server(servicer, s)
-        rollout_link_pb2_grpc.add_RolloutLinkServicer_to_server(LinkServicer(servicer), s)
-
     server = rpc.create_server(
-        register,
-        (SERVICE_NAME, LINK_SERVICE_NAME),
+        lambda s: rollout_pb2_grpc.add_RolloutServicer_to_server(servicer, s),
+        (SERVICE_NAME,),
         address=address,
         token=token,
         max_workers=SERVER_THREADS,

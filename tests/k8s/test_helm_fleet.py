@@ -390,3 +390,18 @@ def test_rollout_autoscaling_scales_the_rollout_statefulset_on_its_queue_depth(c
 def test_rollout_autoscaling_refuses_what_it_cannot_follow(chart, overrides, message):
     elastic = {} if not overrides else {"job": {**JOB, "rollout": {**JOB["rollout"], "elastic": True}}}
     refused(chart, message, **{"autoscaling": AUTOSCALED, **elastic, **overrides})
+
+
+def test_rollout_pods_can_serve_their_callers_from_a_front_end_process(chart):
+    """rollout.frontEnd process: `serve rollout --front-end=process` in rollout and colocated
+    rollout containers, nothing else changed; inline (the default) passes nothing."""
+    objects = rendered(chart, rollout={"frontEnd": "process"})
+    workloads = pods(objects)
+    assert _args(workloads["rollout"][0])["front-end"] == "process"
+    assert "front-end" not in _args(workloads["trainer"][0])
+    assert "front-end" not in _args(pods(rendered(chart))["rollout"][0])
+    colocated = rendered(chart, rollout={"frontEnd": "process"}, colocate={"enabled": True, "gpuDeviceClass": "gpu.nvidia.com"})
+    (rollout_container,) = [c for _, _, spec in m.pod_specs(colocated) for c in spec["containers"] if c["name"] == "rollout"]
+    assert "--front-end=process" in rollout_container["args"]
+    with pytest.raises(helm.HelmValuesError, match="frontEnd"):
+        chart.render(values(rollout={"frontEnd": "separate"}), name=RELEASE, namespace=NAMESPACE)

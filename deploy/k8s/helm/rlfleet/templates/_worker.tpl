@@ -208,6 +208,9 @@ args:
   - --rank-store-port={{ $root.Values.storePorts.rank }}
   - --weight-store-port={{ $root.Values.storePorts.weights }}
   {{- end }}
+  {{- if and (eq $server "rollout") (eq ($root.Values.rollout.frontEnd | default "inline") "process") }}
+  - --front-end=process
+  {{- end }}
   {{- if eq $root.Values.mode "eval" }}
   # Drained: exit non-zero, so the Job replaces the pod instead of counting its index done.
   - --exit-code-on-signal=143
