@@ -39,6 +39,7 @@ from pathlib import Path
 import grpc
 
 from services import rpc
+from services.api import rollout_pb2
 from services.rollout.link import EngineLink, LinkBroken
 from services.rollout.server import MAX_GENERATE_CALLS, SERVER_THREADS, SERVICE_NAME
 from services.tls import ENV as TLS_ENV
@@ -57,7 +58,11 @@ class FrontEnd(grpc.GenericRpcHandler):
         self.link = link
         self._engine = engine
         self._generating = rpc.Admission(MAX_GENERATE_CALLS)
-        self._forwards: dict[str, grpc.RpcMethodHandler] = {}
+        # every other Rollout method (all unary), forwarded as it is
+        self._forwards = {_PREFIX + m.name: grpc.unary_unary_rpc_method_handler(self._forwarder(_PREFIX + m.name))
+                          for m in rollout_pb2.DESCRIPTOR.services_by_name["Rollout"].methods
+                          if m.name not in ("Generate", "GenerateStream")
+                          and not (m.client_streaming or m.server_streaming)}
         self._generate = grpc.unary_unary_rpc_method_handler(self._unary)
         self._stream = grpc.unary_stream_rpc_method_handler(self._streamed)
 
@@ -67,11 +72,7 @@ class FrontEnd(grpc.GenericRpcHandler):
             return self._generate
         if method == _PREFIX + "GenerateStream":
             return self._stream
-        if method.startswith(_PREFIX):
-            if method not in self._forwards:
-                self._forwards[method] = grpc.unary_unary_rpc_method_handler(self._forwarder(method))
-            return self._forwards[method]
-        return None
+        return self._forwards.get(method)  # None: UNIMPLEMENTED
 
     def _forwarder(self, method: str):
         call = self._engine.unary_unary(method)  # bytes in, bytes out

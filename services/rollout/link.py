@@ -110,10 +110,10 @@ class LinkServicer:
     """The engine's side of one link from a front end in its own process (`frontend.py`).
 
     Every forwarded call is submitted to the engine with callbacks, not given a thread: the
-    stream's reader submits, the engine's serving thread only queues what finished, and this
-    handler's thread builds and sends the replies, as many as are ready in one message. So the
-    engine's process runs two threads for all its callers, where a gRPC front end in it runs one
-    per caller, each taking the GIL from the serving thread."""
+    connection's reader submits, the engine's serving thread only queues what finished, and the
+    connection's own thread builds and sends the replies, as many as are ready in one frame. So
+    the engine's process runs two threads for all its callers, where a gRPC front end in it runs
+    one per caller, each taking the GIL from the serving thread."""
 
     def __init__(self, rollout: RolloutServicer):
         self.rollout = rollout
@@ -134,7 +134,11 @@ class LinkServicer:
             replies = [r for item in items if item is not None for r in self._replies(item, calls)]
             for batch in _batches(replies, lambda r: len(r.response)):
                 yield rollout_link_pb2.LinkReplies(replies=batch)
-            if None in items:
+            if None in items:  # the front end went away: its calls' rows stop at the next round
+                for _ in range(len(calls)):
+                    self.rollout.metrics.in_flight.dec()
+                    self.rollout.metrics.requests.labels("error").inc()
+                calls.clear()
                 return
 
     def _read(self, request_iterator, calls: dict[int, _Forwarded], done: queue.SimpleQueue) -> None:
@@ -320,11 +324,15 @@ class EngineLink:
         return call_id, replies
 
     def cancel(self, call_id: int) -> None:
-        """The caller went away: its rows stop on the engine (nothing is sent for a finished call)."""
+        """The caller went away: its rows stop on the engine, and the thread waiting for its
+        replies gets a last one now (nothing happens for a finished call)."""
         with self._lock:
-            if self._pending.pop(call_id, None) is None:
-                return
+            replies = self._pending.pop(call_id, None)
+        if replies is None:
+            return
         self._outbox.put(call_id)
+        replies.put(rollout_link_pb2.LinkReply(id=call_id, last=True, code=grpc.StatusCode.CANCELLED.value[0],
+                                               message="the call ended (cancelled, or past its deadline)"))
 
     def close(self) -> None:
         self._outbox.put(None)

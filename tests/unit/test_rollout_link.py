@@ -14,14 +14,23 @@ from services.api import rollout_link_pb2, rollout_pb2
 from services.rollout import link
 from services.rollout.engine import RolloutEngine, RolloutSettings
 from services.rollout.server import RolloutServicer
+from tests.conftest import make_tiny_model
 
 TOKEN = "link-test-token"
 
 
+LONG = 4000  # tokens of a row that must still run while a test acts
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("link-model"), max_position_embeddings=LONG + 16)
+
+
 @pytest.fixture
-def listener(tmp_path, tiny_model_dir):
+def listener(tmp_path, model_dir):
     servicer = RolloutServicer()
-    servicer._engine = RolloutEngine(RolloutSettings(model_path=str(tiny_model_dir)))
+    servicer._engine = RolloutEngine(RolloutSettings(model_path=str(model_dir)))
     listening = link.Listener(str(tmp_path / "link.sock"), servicer, TOKEN)
     yield listening
     listening.close()
@@ -73,11 +82,11 @@ def test_a_peer_with_the_token_gets_each_calls_replies(listener):
 def test_a_cancelled_call_ends_cancelled_and_a_bad_one_is_named(listener):
     sock, reader = _connect(listener.path)
     long = rollout_pb2.GenerateRequest(prompts=["1+2="], sampling=rollout_pb2.SamplingParams(
-        temperature=0.0, max_new_tokens=50, ignore_eos=True), input_ids=[]).SerializeToString()
+        temperature=0.0, max_new_tokens=LONG, ignore_eos=True), input_ids=[]).SerializeToString()
     link.send(sock, rollout_link_pb2.LinkCalls(calls=[rollout_link_pb2.LinkCall(id=1, request=long)], cancelled=[1]))
     (reply,) = _replies(reader, 1)
     assert reply.last and reply.code == grpc.StatusCode.CANCELLED.value[0]
-    too_long = _request(max_new_tokens=10_000)  # the tiny model has 64 positions
+    too_long = _request(max_new_tokens=LONG + 100)  # more than the model's positions
     link.send(sock, rollout_link_pb2.LinkCalls(calls=[rollout_link_pb2.LinkCall(id=2, request=too_long)]))
     (reply,) = _replies(reader, 1)
     assert reply.code == grpc.StatusCode.INVALID_ARGUMENT.value[0] and "max_position_embeddings" in reply.message
@@ -125,3 +134,22 @@ def test_batches_keep_frames_under_the_limit_and_never_split_an_item():
     batches = list(link._batches(sizes, lambda n: n))
     assert [len(b) for b in batches] == [3, 3, 1, 1]
     assert sum(sizes) == sum(map(sum, batches))
+
+
+def test_the_front_ends_end_releases_a_caller_that_goes_away_and_fails_all_when_the_link_breaks(listener):
+    broken = []
+    engine = link.EngineLink(listener.path, TOKEN, on_broken=broken.append)
+    long = rollout_pb2.GenerateRequest(prompts=["1+2="], sampling=rollout_pb2.SamplingParams(
+        temperature=0.0, max_new_tokens=LONG, ignore_eos=True, stop=["never said"])).SerializeToString()
+    call_id, replies = engine.call(long, stream=True, timeout_s=None)
+    engine.cancel(call_id)  # the caller's thread waiting on `replies` is let go at once
+    reply = replies.get(timeout=5)
+    assert reply.last and reply.code == grpc.StatusCode.CANCELLED.value[0]
+    _, answered = engine.call(_request(), stream=False, timeout_s=30)
+    assert not answered.get(timeout=30).code
+    _, waiting = engine.call(long, stream=False, timeout_s=None)
+    engine._sock.shutdown(socket.SHUT_RDWR)  # the engine's process gone, as the front end sees it
+    reply = waiting.get(timeout=10)
+    assert reply.last and reply.code == grpc.StatusCode.UNAVAILABLE.value[0] and broken
+    with pytest.raises(link.LinkBroken):
+        engine.call(_request(), stream=False, timeout_s=30)
