@@ -62,6 +62,9 @@ class InstantEngine:
                            logprobs=[-0.5] * n, finish_reason="length", versions=((0, n),))
                 for i, p in enumerate(prompts_ids)], 0
 
+    def close(self) -> None:
+        pass
+
     def submit(self, prompts_ids, sampling, cancelled=None, *, on_result=None, priority="train", on_finish=None):
         """Each completion to `on_result` at once, then the end to `on_finish`."""
         request = _Answered()

@@ -106,18 +106,29 @@ class Server:
         return self.shutdown.is_set() and not getattr(self.shutdown, "by_signal", False)
 
 
-def wait_for_signal(stop: threading.Event | None = None) -> None:
-    """Block the main thread until SIGTERM or SIGINT arrives (or `stop` is set)."""
-    stop = stop or threading.Event()
+SIGNAL_POLL_S = 0.2  # how soon the main thread sees a signal that arrived
 
-    def on_signal(*_) -> None:
-        stop.by_signal = True  # told apart from a Shutdown call, which sets the event itself
-        stop.set()
+
+def wait_for_signal(stop: threading.Event | None = None) -> None:
+    """Block the main thread until SIGTERM or SIGINT arrives (or `stop` is set).
+
+    The handler only records the signal; the main thread sets `stop` itself. A handler that set
+    the event deadlocked when a signal came while the main thread held the event's own lock
+    (inside `wait`, or inside the set of an earlier signal's handler): a rollout engine whose
+    front end died took several SIGTERMs at once and never exited."""
+    stop = stop or threading.Event()
+    received: list[int] = []
+
+    def on_signal(signum, _frame) -> None:
+        received.append(signum)  # (no lock: the main thread may be holding any)
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, on_signal)
-    while not stop.wait(0.5):
+    while not received and not stop.wait(SIGNAL_POLL_S):
         pass
+    if received:
+        stop.by_signal = True  # told apart from a Shutdown call, which sets the event itself
+        stop.set()
 
 
 def add_servicer(add_to_server: Callable, servicer, server: grpc.Server, *, serialized: tuple[str, ...] = ()) -> None:
