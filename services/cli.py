@@ -307,7 +307,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="rollout: the address /metrics binds (default: --host)")
     serve.add_argument("--front-end", choices=["inline", "process"], default="inline",
                        help="rollout: serve calls in the engine's process (inline), or in a process of their own "
-                            "that forwards them to the engine's over one stream (process: for hundreds of "
+                            "that forwards them to the engine's over one Unix socket (process: for hundreds of "
                             "concurrent callers; docs/rollout-engine.md)")
     serve.add_argument("--link-socket", default=None,
                        help="rollout: also take calls from a front end process on this Unix socket (the front end "

@@ -111,7 +111,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
         if self._engine is not None:
             self._engine.close()
 
-    def _require(self, context=None) -> GenerationEngine:
+    def _require(self) -> GenerationEngine:
         """The engine (EngineStateError, FAILED_PRECONDITION to a caller, before Configure)."""
         if self._engine is None:
             raise EngineStateError("engine is not configured: call Configure first")
@@ -194,10 +194,10 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
             done[0] = True
             return reply
 
-    def _prepare(self, request, context=None):
+    def _prepare(self, request):
         """The engine, the request's prompts as ids and its sampling settings (ValueError naming
         the field for what the model cannot take)."""
-        engine = self._require(context)
+        engine = self._require()
         if request.prompts and request.input_ids:
             raise ValueError("prompts, input_ids: give one or the other, not both")
         sampling = sampling_from_proto(request.sampling)
@@ -219,7 +219,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
 
     def _generate(self, request, context):
         with self._generating.enter(context, "Generate"), rpc.abort_on(context, _ERRORS):
-            engine, prompts_ids, sampling = self._prepare(request, context)
+            engine, prompts_ids, sampling = self._prepare(request)
             # A caller that cancels or runs past its deadline stops its rows (checked every round).
             results, version = engine.generate(prompts_ids, sampling, cancelled=_ended(context),
                                                **self._serving_options(engine, request))
@@ -232,7 +232,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
         """Each completion as it finishes (an engine that cannot stream sends them all at its end)."""
         with self._metered() as done:
             with self._generating.enter(context, "GenerateStream"), rpc.abort_on(context, _ERRORS):
-                engine, prompts_ids, sampling = self._prepare(request, context)
+                engine, prompts_ids, sampling = self._prepare(request)
                 for index, g, version in self._finishing(engine, request, prompts_ids, sampling, context):
                     self.metrics.tokens.inc(len(g.output_ids))
                     yield rollout_pb2.GenerateStreamResponse(
@@ -261,7 +261,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
 
     def UpdateWeights(self, request, context):
         with self._waiting.enter(context, "UpdateWeights"), self._update_lock, rpc.abort_on(context, _ERRORS):
-            engine = self._require(context)
+            engine = self._require()
             started = time.perf_counter()
             manifest = engine.read_manifest(request.manifest)
             if request.version != manifest.version:
@@ -378,7 +378,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
     def InitWeightUpdateGroup(self, request, context):
         """Join a broadcast group as rank `rank_offset`; blocks until every rank has joined."""
         with self._joining.enter(context, "InitWeightUpdateGroup"), rpc.abort_on(context, _ERRORS):
-            engine = self._require(context)
+            engine = self._require()
             name = request.group_name or "weight_update_group"
             if "broadcast" in getattr(engine, "receives", ()):
                 engine.init_group(master_address=request.master_address, master_port=request.master_port,
@@ -419,7 +419,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
 
     def ReleaseMemory(self, request, context):
         with self._update_lock, rpc.abort_on(context, _ERRORS):
-            engine = self._require(context)
+            engine = self._require()
             engine.release_memory(list(request.tags))
             if "weights" in engine.released:
                 self._shm.release()  # the trainer may rewrite segments we served
@@ -428,12 +428,12 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
 
     def ResumeMemory(self, request, context):
         with self._update_lock, rpc.abort_on(context, _ERRORS):
-            self._require(context).resume_memory(list(request.tags))
+            self._require().resume_memory(list(request.tags))
             return rollout_pb2.ResumeMemoryResponse(status=self._status())
 
     def GetWeightFingerprints(self, request, context):
         with rpc.abort_on(context, _ERRORS):
-            engine = self._require(context)
+            engine = self._require()
             algo = request.fingerprint_algo or default_algo(engine.device)
             prints = engine.fingerprints(algo, request.bucket_bytes or 512 * 1024 * 1024)
             return rollout_pb2.GetWeightFingerprintsResponse(version=engine.weight_version, fingerprints=prints)
